@@ -1,0 +1,234 @@
+"""Compatibility of fairseq 0.12 (``fairseq-fixed``) with torch >= 2.6, installed on import of fairseq_ext.
+
+torch >= 2.6 unpickles with ``torch.load(weights_only=True)``: only tensors, containers and allow-listed
+classes may be rebuilt. fairseq checkpoints also hold ``argparse.Namespace``, omegaconf containers and nodes
+and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fairseq-validate``,
+``--restore-file`` and averaging failed with "Unsupported global". :func:`install`
+
+* allow-lists exactly those classes (:data:`SAFE_GLOBALS`) with ``torch.serialization.add_safe_globals``,
+  keeping ``weights_only=True`` (no ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), so a checkpoint that pickles
+  anything else (a function, a class with a ``__reduce__``, ``os.system``) is refused;
+* wraps ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` so that a refused, truncated or corrupted file
+  raises :class:`UnsafeCheckpointError` / :class:`CorruptCheckpointError`: one line naming the file, and
+  from the command line only that line is printed (no traceback from deep inside torch);
+* makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic: a kill
+  during the copy leaves the previous file intact (fairseq already writes the first file atomically).
+"""
+
+import argparse
+import collections
+import enum
+import io
+import os
+import pickle
+import shutil
+import sys
+import typing
+import zipfile
+
+import torch
+
+
+class FairseqExtError(Exception):
+    """An error whose message tells the user what is wrong and what to do; the CLI prints only it."""
+
+
+class UnsafeCheckpointError(FairseqExtError):
+    pass
+
+
+class CorruptCheckpointError(FairseqExtError):
+    pass
+
+
+def _safe_globals():
+    import numpy as np
+    import omegaconf
+    from omegaconf import base as oc_base
+    from omegaconf import nodes as oc_nodes
+
+    try:  # numpy >= 2
+        from numpy._core import multiarray as np_multiarray
+    except ImportError:  # numpy 1.x
+        from numpy.core import multiarray as np_multiarray
+
+    allowed = [
+        # the legacy ``args`` of every fairseq checkpoint
+        argparse.Namespace,
+        # ``cfg``: fairseq saves an OmegaConf DictConfig (converted to a plain dict since 0.10, but older
+        # checkpoints and some tasks keep the container objects)
+        omegaconf.DictConfig,
+        omegaconf.ListConfig,
+        oc_base.ContainerMetadata,
+        oc_base.Metadata,
+        oc_nodes.AnyNode,
+        oc_nodes.StringNode,
+        oc_nodes.IntegerNode,
+        oc_nodes.FloatNode,
+        oc_nodes.BooleanNode,
+        oc_nodes.EnumNode,
+        oc_nodes.BytesNode,
+        oc_nodes.PathNode,
+        typing.Any,  # the ref_type of untyped omegaconf nodes
+        collections.defaultdict,
+        collections.OrderedDict,
+        # numpy values fairseq writes (e.g. np.float64 best_loss, numpy RNG states in extra_state)
+        np_multiarray._reconstruct,
+        np_multiarray.scalar,
+        np.ndarray,
+        np.dtype,
+    ]
+    # dtype classes that pickles of numpy arrays and scalars name (numpy >= 1.25 has np.dtypes)
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        for name in ("Float64DType", "Float32DType", "Float16DType", "Int64DType", "Int32DType", "Int16DType",
+                     "Int8DType", "UInt8DType", "UInt32DType", "UInt64DType", "BoolDType"):
+            if hasattr(dtypes, name):
+                allowed.append(getattr(dtypes, name))
+    # fairseq's own enums that configs may store (ChoiceEnum values of dataclass fields)
+    allowed.extend(_fairseq_enums())
+    return allowed
+
+
+def _fairseq_enums():
+    try:
+        from fairseq.dataclass import constants
+    except ImportError:
+        return []
+    return [v for v in vars(constants).values()
+            if isinstance(v, type) and issubclass(v, enum.Enum) and v is not enum.Enum and v.__module__ == constants.__name__]
+
+
+SAFE_GLOBALS = None  # filled by install()
+_installed = False
+
+
+def _describe_unpickling_error(exc):
+    """The first line of torch's long weights-only message that names the refused global."""
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            return line.rstrip(".")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _check_readable(path, exc):
+    """Map errors of torch.load to FairseqExtError subclasses; re-raise anything else."""
+    if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+        return UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: it pickles an object that fairseq checkpoints never hold "
+            f"({_describe_unpickling_error(exc)}); only load checkpoints from a source you trust, and if this "
+            "one is yours, report which object fairseq_ext.compat.SAFE_GLOBALS is missing"
+        )
+    if isinstance(exc, (EOFError, zipfile.BadZipFile, pickle.UnpicklingError)) or (
+        isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive", "unexpected EOF", "storage has wrong"))
+    ):
+        return CorruptCheckpointError(
+            f"checkpoint {path} is truncated or corrupted ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            "use another checkpoint (e.g. checkpoint_best.pt or an epoch checkpoint) or retrain"
+        )
+    return None
+
+
+def load_checkpoint_file(path):
+    """``torch.load`` a fairseq checkpoint to CPU with the allow-list, with the errors of this module."""
+    install()
+    if not os.path.isfile(path):
+        raise FairseqExtError(f"checkpoint {path} does not exist")
+    try:
+        with open(path, "rb") as f:
+            return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - classified below, re-raised when unknown
+        mapped = _check_readable(path, exc)
+        if mapped is None:
+            raise
+        raise mapped from None
+
+
+def atomic_torch_save(obj, path):
+    """Write ``obj`` to ``path`` through a temporary file in the same directory and an atomic rename."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _wrap_load_checkpoint_to_cpu(checkpoint_utils):
+    original = checkpoint_utils.load_checkpoint_to_cpu
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return original(path, *args, **kwargs)
+        except FairseqExtError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            mapped = _check_readable(path, exc)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    load_checkpoint_to_cpu._fairseq_ext_wrapped = True
+    load_checkpoint_to_cpu.__doc__ = original.__doc__
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+
+
+def _make_checkpoint_copies_atomic():
+    from fairseq.file_io import PathManager
+
+    original = PathManager.copy
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def copy(src_path, dst_path, overwrite=False):
+        if "://" in str(src_path) or "://" in str(dst_path):
+            return original(src_path, dst_path, overwrite)
+        if not overwrite and os.path.exists(dst_path):
+            return False
+        tmp = f"{dst_path}.tmp.{os.getpid()}"
+        try:
+            shutil.copyfile(src_path, tmp)
+            os.replace(tmp, dst_path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return True
+
+    copy._fairseq_ext_wrapped = True
+    PathManager.copy = staticmethod(copy)
+
+
+def _excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if isinstance(exc, FairseqExtError):
+            print(f"error: {exc}", file=sys.stderr)
+            return
+        previous(exc_type, exc, tb)
+
+    hook._fairseq_ext_hook = True
+    return hook
+
+
+def install():
+    """Idempotent; called by ``import fairseq_ext``."""
+    global SAFE_GLOBALS, _installed
+    if _installed:
+        return
+    SAFE_GLOBALS = _safe_globals()
+    torch.serialization.add_safe_globals(SAFE_GLOBALS)
+    from fairseq import checkpoint_utils
+
+    _wrap_load_checkpoint_to_cpu(checkpoint_utils)
+    _make_checkpoint_copies_atomic()
+    if not getattr(sys.excepthook, "_fairseq_ext_hook", False):
+        sys.excepthook = _excepthook(sys.excepthook)
+    _installed = True
