@@ -1,0 +1,402 @@
+"""fconv_glu (ConvS2S): exact against fairseq's fconv, incremental decoding, checkpoints, and fairseq's own
+fconv command-line tests (tests/test_binaries.py) through --user-dir."""
+
+import argparse
+import os
+import re
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import fairseq_ext  # noqa: F401  (registration, safe checkpoint loading)
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_MODEL_REGISTRY
+from fairseq.models.fconv import FConvModel
+from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.models.fconv_glu import FConvGluModel, upgrade_fconv_state_dict
+from tests.helpers import (
+    assert_close,
+    create_dummy_data,
+    generate_main,
+    hypotheses,
+    preprocess_translation_data,
+    run_cli,
+    run_module,
+    train_translation_model,
+)
+
+ARCHS = ["", "_iwslt_de_en", "_wmt_en_ro", "_wmt_en_de", "_wmt_en_fr"]
+# a spec with everything the layer syntax allows: width changes (residual projections), an even kernel,
+# a residual from two layers back, no residual, and a decoder layer without attention
+ODD_SPEC = dict(encoder_embed_dim=12, decoder_embed_dim=12, decoder_out_embed_dim=10,
+                encoder_layers="[(16, 3), (24, 2), (24, 3, 2), (24, 5, 0)]",
+                decoder_layers="[(16, 3), (24, 2), (24, 3, 2), (20, 1)]",
+                decoder_attention="[True, False, True, True]")
+
+
+class _Task:
+    def __init__(self, n=40):
+        d = Dictionary()
+        for i in range(n):
+            d.add_symbol(f"w{i}")
+        self.source_dictionary = self.target_dictionary = d
+
+
+def _args(arch, **kw):
+    args = argparse.Namespace(dropout=0.0, max_source_positions=1024, max_target_positions=1024, **kw)
+    ARCH_MODEL_REGISTRY  # noqa: B018
+    from fairseq.models import ARCH_CONFIG_REGISTRY
+
+    ARCH_CONFIG_REGISTRY[arch](args)
+    return args
+
+
+def _pair(task, suffix="_iwslt_de_en", seed=0, **kw):
+    """fairseq's fconv<suffix> and our fconv_glu<suffix> with fairseq's weights copied into ours."""
+    torch.manual_seed(seed)
+    ref = FConvModel.build_model(_args("fconv" + suffix, **kw), task)
+    ours = FConvGluModel.build_model(_args("fconv_glu" + suffix, **kw), task)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    ours.load_state_dict(sd, strict=True)  # runs upgrade_state_dict_named: the fconv -> fconv_glu mapping
+    return ref, ours
+
+
+def _batch(task, bsz=5, src_len=9, tgt_len=7, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    d = task.source_dictionary
+    src = torch.randint(d.nspecial, len(d), (bsz, src_len), generator=g)
+    for b in range(1, bsz):  # left-padded sources of different lengths, as fairseq's collater makes them
+        src[b, : min(b, src_len - 1)] = d.pad()
+    lengths = src.ne(d.pad()).sum(1)
+    prev = torch.randint(d.nspecial, len(d), (bsz, tgt_len), generator=g)
+    prev[:, 0] = d.eos()
+    return src, lengths, prev
+
+
+def _mapped_grads(model):
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    upgrade_fconv_state_dict(grads)
+    return grads
+
+
+# ------------------------------------------------------------------------------------------------------------
+# registration and sizes
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", ARCHS)
+def test_architectures_have_fairseq_fconv_sizes(suffix):
+    ref, ours = _args("fconv" + suffix), _args("fconv_glu" + suffix)
+    assert ARCH_MODEL_REGISTRY["fconv_glu" + suffix] is FConvGluModel
+    for k in ("encoder_embed_dim", "encoder_layers", "decoder_embed_dim", "decoder_layers",
+              "decoder_out_embed_dim", "decoder_attention", "dropout", "share_input_output_embed"):
+        assert getattr(ours, k) == getattr(ref, k), k
+
+
+def test_parameter_count_and_names_match_fconv():
+    task = _Task(100)
+    ref, ours = _pair(task)
+    n_ref = sum(p.numel() for p in ref.parameters())
+    n_ours = sum(p.numel() for p in ours.parameters())
+    assert n_ours == n_ref
+    assert ours.encoder.grad_scale == 1.0 / (2 * 3)  # §3.4: 3 decoder attention layers in iwslt_de_en
+    names = dict(ours.named_parameters())
+    assert "decoder.layers.2.attention.in_projection.parametrizations.weight.original0" in names
+    assert "encoder.layers.0.conv.parametrizations.weight.original1" in names
+
+
+# ------------------------------------------------------------------------------------------------------------
+# exactness against fairseq's fconv
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["iwslt", "odd_spec", "shared_embed"])
+def test_logits_and_gradients_equal_fairseq_fconv(config):
+    task = _Task()
+    kw = {"iwslt": {}, "odd_spec": ODD_SPEC,
+          "shared_embed": dict(decoder_out_embed_dim=256, share_input_output_embed=True)}[config]
+    ref, ours = _pair(task, **kw)
+    src, lengths, prev = _batch(task)
+    ref.train()
+    ours.train()  # training mode, dropout 0
+    out_ref, _ = ref(src, lengths, prev)
+    out_ours, _ = ours(src, lengths, prev)
+    assert_close(out_ours, out_ref, 1e-5, "logits")
+    w = torch.randn_like(out_ref)
+    (out_ref * w).sum().backward()
+    (out_ours * w).sum().backward()
+    g_ref = _mapped_grads(ref)
+    g_ours = {k: p.grad for k, p in ours.named_parameters()}
+    assert set(g_ours) == set(g_ref)
+    for k in g_ours:
+        assert_close(g_ours[k], g_ref[k], 1e-5, f"grad {k}")
+    # the encoder's gradient really is scaled (1/(2*3) here): not the zero or unscaled gradient
+    assert g_ours["encoder.embed_tokens.weight"].abs().sum() > 0
+
+    # eval mode: same logits and same alignment (mean attention over the layers)
+    ref.eval()
+    ours.eval()
+    with torch.no_grad():
+        (l_ref, a_ref), (l_ours, a_ours) = ref(src, lengths, prev), ours(src, lengths, prev)
+    assert_close(l_ours, l_ref, 1e-5, "eval logits")
+    if config != "odd_spec":  # fairseq divides the attention sum by all layers, also those without attention
+        assert_close(a_ours, a_ref, 1e-6, "attention")
+    else:
+        assert_close(a_ours.sum(-1), torch.ones_like(a_ours.sum(-1)), 1e-5, "attention rows sum to 1")
+
+
+def test_grad_scale_only_changes_backward():
+    task = _Task()
+    _, ours = _pair(task, **ODD_SPEC)
+    src, lengths, prev = _batch(task)
+    out = ours.encoder(src, lengths)["encoder_out"][0]
+    z = out.detach().requires_grad_()
+    w = torch.randn_like(out)
+    (out * w).sum().backward()
+    g_scaled = ours.encoder.fc2.parametrizations.weight.original1.grad.clone()
+    ours.zero_grad()
+    ours.encoder.grad_scale = 1.0
+    (ours.encoder(src, lengths)["encoder_out"][0] * w).sum().backward()
+    g_full = ours.encoder.fc2.parametrizations.weight.original1.grad
+    assert_close(g_scaled, g_full / (2 * 3), 1e-6, "encoder grad scaled by 1/(2 * 3 attention layers)")
+    assert z.shape == out.shape
+
+
+# ------------------------------------------------------------------------------------------------------------
+# incremental decoding
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", ["iwslt", "odd_spec"])
+def test_incremental_decoding_equals_full_pass_and_reorders(config):
+    task = _Task()
+    _, model = _pair(task, **({} if config == "iwslt" else ODD_SPEC))
+    model.eval()
+    src, lengths, prev = _batch(task, tgt_len=8)
+    bsz, T = prev.shape
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        full, full_attn = model.decoder(prev, enc)
+        inc = {}
+        for t in range(T):
+            step, attn = model.decoder(prev[:, : t + 1], enc, incremental_state=inc)
+            assert step.shape == (bsz, 1, full.size(-1))
+            assert_close(step[:, 0], full[:, t], 1e-5, f"step {t}")
+            assert_close(attn[:, 0], full_attn[:, t], 1e-5, f"attention step {t}")
+
+        # reorder after 4 steps with a permutation (with a repeated row, as in beam search), then continue
+        perm = torch.tensor([3, 0, 4, 4, 1])
+        inc = {}
+        for t in range(4):
+            model.decoder(prev[:, : t + 1], enc, incremental_state=inc)
+        model.decoder.reorder_incremental_state_scripting(inc, perm)  # what SequenceGenerator calls
+        enc_p = model.encoder.reorder_encoder_out(enc, perm)
+        prev_p = prev.index_select(0, perm)
+        full_p, _ = model.decoder(prev_p, enc_p)
+        for t in range(4, T):
+            step, _ = model.decoder(prev_p[:, : t + 1], enc_p, incremental_state=inc)
+            assert_close(step[:, 0], full_p[:, t], 1e-5, f"reordered step {t}")
+
+        # the same through reorder_incremental_state called directly (each cache reordered exactly once)
+        inc = {}
+        for t in range(4):
+            model.decoder(prev[:, : t + 1], enc, incremental_state=inc)
+        model.decoder.reorder_incremental_state(inc, perm)
+        step, _ = model.decoder(prev_p[:, :5], enc_p, incremental_state=inc)
+        assert_close(step[:, 0], full_p[:, 4], 1e-5, "direct reorder")
+
+
+def test_inference_weight_cache_follows_parameter_updates():
+    task = _Task()
+    ref, ours = _pair(task)
+    ref.eval()
+    ours.eval()
+    src, lengths, prev = _batch(task)
+    with torch.no_grad():
+        before = ours(src, lengths, prev)[0]
+        assert_close(before, ref(src, lengths, prev)[0], 1e-5, "eval")
+        for m in (ref, ours):  # an in-place update as an optimizer step makes it
+            for p in m.parameters():
+                p.mul_(1.01)
+        after = ours(src, lengths, prev)[0]
+        assert (after - before).abs().max() > 1e-3
+        assert_close(after, ref(src, lengths, prev)[0], 1e-5, "after update")
+    ours.load_state_dict(ref.state_dict())  # load_state_dict also invalidates (copy_ bumps the version)
+    with torch.no_grad():
+        assert_close(ours(src, lengths, prev)[0], ref(src, lengths, prev)[0], 1e-5, "after load")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# weight norm: no deprecation warnings, old checkpoints load
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_no_deprecation_warnings():
+    task = _Task()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FConvGluModel.build_model(_args("fconv_glu_iwslt_de_en"), task)
+        src, lengths, prev = _batch(task)
+        model(src, lengths, prev)[0].sum().backward()
+        model.state_dict()
+        model.eval()
+        with torch.no_grad():
+            model.decoder(prev[:, :1], model.encoder(src, lengths), incremental_state={})
+    bad = [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))
+           and "jit" not in str(w.message)]
+    assert not bad, [str(w.message) for w in bad]
+
+
+def test_old_weight_norm_keys_and_version1_decoder_load():
+    task = _Task()
+    ref, ours = _pair(task, **ODD_SPEC)
+    old = ref.state_dict()
+    assert any(k.endswith("weight_g") for k in old)
+    # version-1 fconv checkpoints normalised the decoder convolutions over dim 0 (fairseq's old bug)
+    v1 = {}
+    for k, v in old.items():
+        v1[k] = v.clone()
+    for k in list(v1):
+        if k.startswith("decoder.convolutions.") and k.endswith("weight_g"):
+            w = torch._weight_norm(v1[k[:-1] + "v"], v1[k], 2)
+            v1[k] = torch.norm_except_dim(w, 2, 0)
+            v1[k[:-1] + "v"] = w * 3.0  # any scale of v gives the same w
+    v1["decoder.version"] = torch.Tensor([1])
+    fresh = FConvGluModel.build_model(_args("fconv_glu", **ODD_SPEC), task)
+    fresh.load_state_dict(v1, strict=True)
+    for name, m in ours.named_modules():
+        if hasattr(m, "parametrizations"):
+            assert_close(dict(fresh.named_modules())[name].weight, m.weight, 1e-6, name)
+
+
+def test_bad_layer_specs_raise_clear_errors():
+    task = _Task()
+    for kw, needle in [(dict(encoder_layers="[(16, 3)] * x"), "--encoder-layers"),
+                       (dict(decoder_layers="[(16,)]"), "--decoder-layers"),
+                       (dict(decoder_attention="[True, False]"), "--decoder-attention"),
+                       (dict(encoder_layers="__import__('os')"), "--encoder-layers"),
+                       (dict(share_input_output_embed=True, decoder_out_embed_dim=64),
+                        "--share-input-output-embed")]:
+        with pytest.raises(FairseqExtError, match=re.escape(needle)):
+            FConvGluModel.build_model(_args("fconv_glu_iwslt_de_en", **kw), task)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# command line (fairseq's tests/test_binaries.py for fconv), through --user-dir
+# ------------------------------------------------------------------------------------------------------------
+
+ARCH = "fconv_glu_iwslt_de_en"
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("fconv_glu_data"))
+    create_dummy_data(d)
+    preprocess_translation_data(d)
+    return d
+
+
+def _copy_data(src_dir, tmp_path):
+    d = str(tmp_path / "data")
+    shutil.copytree(src_dir, d, ignore=shutil.ignore_patterns("*.pt"))
+    return d
+
+
+@pytest.fixture(scope="module")
+def trained(data_dir):
+    train_translation_model(data_dir, ARCH, run_validation=True)
+    return data_dir
+
+
+def test_train_validate_generate_interactive(trained):
+    gen, inter = generate_main(trained)  # beam 3, --print-alignment, then interactive on "h e l l o"
+    hyps = hypotheses(gen)
+    assert sorted(hyps) == list(range(100))
+    assert len(re.findall(r"^A-\d+\t", gen, re.M)) == 100  # alignments printed
+    assert re.search(r"^H-0\t", inter, re.M) and re.search(r"^A-0\t", inter, re.M)
+
+
+@pytest.mark.parametrize("flags,check", [
+    (["--sampling", "--temperature", "2", "--beam", "2", "--nbest", "2"], "nbest2"),
+    (["--sampling", "--sampling-topk", "3", "--beam", "2"], "hyps"),
+    (["--sampling", "--sampling-topp", "0.2", "--beam", "2"], "hyps"),
+    (["--diversity-rate", "0.5", "--beam", "6"], "hyps"),
+    (["--prefix-size", "2"], "prefix"),
+])
+def test_generation_options(trained, flags, check):
+    gen, _ = generate_main(trained, flags, interactive=False)
+    hyps = hypotheses(gen)
+    assert sorted(hyps) == list(range(100))
+    if check == "nbest2":
+        for i in range(100):
+            assert len(re.findall(rf"^H-{i}\t", gen, re.M)) == 2
+    if check == "prefix":  # the first two target tokens are forced
+        targets = {int(m.group(1)): m.group(2).split() for m in re.finditer(r"^T-(\d+)\t(.*)$", gen, re.M)}
+        for i, (_, h) in hyps.items():
+            if len(targets[i]) >= 2:
+                assert h.split()[:2] == targets[i][:2], (i, h, targets[i])
+
+
+def test_diverse_beam_groups_with_match_source_len_is_refused(trained):
+    proc = run_cli("generate", [trained, "--path", os.path.join(trained, "checkpoint_last.pt"), "--user-dir",
+                                fairseq_ext.__path__[0], "--beam", "4", "--diverse-beam-groups", "4",
+                                "--match-source-len", "--batch-size", "64", "--gen-subset", "valid",
+                                "--source-lang", "in", "--target-lang", "out"], check=False)
+    assert proc.returncode != 0 and "ValueError" in proc.stderr
+
+
+def test_update_freq_and_raw_dataset(data_dir, tmp_path):
+    d = _copy_data(data_dir, tmp_path)
+    train_translation_model(d, ARCH, ["--update-freq", "3"])
+    assert os.path.isfile(os.path.join(d, "checkpoint_last.pt"))
+
+    raw = str(tmp_path / "raw")
+    os.makedirs(raw)
+    create_dummy_data(raw)
+    preprocess_translation_data(raw, ["--dataset-impl", "raw"])
+    train_translation_model(raw, ARCH, ["--dataset-impl", "raw"])
+    gen, _ = generate_main(raw, ["--dataset-impl", "raw"], interactive=False)
+    assert len(hypotheses(gen)) == 100
+
+
+def test_max_positions_message(data_dir, tmp_path):
+    d = _copy_data(data_dir, tmp_path)
+    proc = run_cli("train", _train_args(d, ["--max-target-positions", "5"]), check=False)
+    assert proc.returncode != 0
+    assert "skip this example with --skip-invalid-size-inputs-valid-test" in proc.stdout + proc.stderr
+    train_translation_model(d, ARCH, ["--max-target-positions", "5", "--skip-invalid-size-inputs-valid-test"])
+    gen, _ = generate_main(d, ["--skip-invalid-size-inputs-valid-test"], interactive=False)
+    assert 0 < len(hypotheses(gen)) < 100  # sentences longer than the model allows are skipped
+
+
+def _train_args(d, extra):
+    from tests.helpers import train_args
+
+    return train_args(d, ARCH, extra)
+
+
+def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
+    """Train fairseq's fconv_iwslt_de_en, convert the checkpoint, and decode with both: identical output."""
+    d = _copy_data(data_dir, tmp_path)
+    train_translation_model(d, "fconv_iwslt_de_en", ["--dropout", "0.2"])
+    ref_ckpt = os.path.join(d, "checkpoint_last.pt")
+    ours_ckpt = os.path.join(d, "converted.pt")
+    out = run_module("fairseq_ext.models.fconv_glu", ["--convert-from-fconv", ref_ckpt, ours_ckpt]).stdout
+    assert "wrote" in out
+    state = torch.load(ours_ckpt, weights_only=True)
+    assert state["cfg"]["model"].arch == ARCH
+    gen_ref, inter_ref = generate_main(d, ["--print-alignment", "--nbest", "2"], path=ref_ckpt)
+    gen_ours, inter_ours = generate_main(d, ["--print-alignment", "--nbest", "2"], path=ours_ckpt)
+
+    def lines(text):
+        return sorted(line for line in text.splitlines() if re.match(r"^[HPAD]-\d+\t", line))
+
+    assert len(lines(gen_ours)) == 4 * 2 * 100
+    assert lines(gen_ours) == lines(gen_ref)  # same hypotheses, scores, positional scores, alignments
+    assert lines(inter_ours) == lines(inter_ref)
+
+    proc = run_module("fairseq_ext.models.fconv_glu", ["--convert-from-fconv", ours_ckpt, ours_ckpt + "2"],
+                      check=False)
+    assert proc.returncode == 1 and "not a fairseq fconv checkpoint" in proc.stderr
