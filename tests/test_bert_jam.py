@@ -1,0 +1,318 @@
+"""Unit behaviour of bert_jam (BERT-JAM) on a tiny random BertConfig with a vocab written here (no hub)."""
+
+import argparse
+import logging
+import os
+
+import pytest
+import torch
+
+import fairseq_ext  # noqa: F401  (registration)
+from fairseq.data import Dictionary
+from fairseq.modules import MultiheadAttention
+
+from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.models.bert_jam import (
+    BertJamModel,
+    BertLayerComposition,
+    JointMultiheadAttention,
+)
+from fairseq_ext.tasks.translation_bert import (
+    BertInputBuilder,
+    LanguagePairBertDataset,
+    TranslationBertConfig,
+    TranslationBertTask,
+    detect_bpe,
+    moses_detokenize,
+    remove_bpe,
+)
+from tests.helpers import assert_close
+
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+BERT_LAYERS = 3
+
+
+def write_tiny_bert(path, seed=0):
+    """A random 3-layer BertModel (hidden 16) and an uncased WordPiece vocab of letters, saved offline."""
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    os.makedirs(path, exist_ok=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(LETTERS) + ["##" + c for c in LETTERS] + \
+        [".", ",", "!", "?", "'", "-", "hello", "world"]
+    with open(os.path.join(path, "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=BERT_LAYERS, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=24)
+    BertModel(cfg).save_pretrained(path)
+    BertTokenizer(os.path.join(path, "vocab.txt"), do_lower_case=True).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    return write_tiny_bert(str(tmp_path_factory.mktemp("tinybert")))
+
+
+def letter_dict(extra=()):
+    d = Dictionary()
+    for c in list(LETTERS) + list(extra):
+        d.add_symbol(c)
+    return d
+
+
+def build(tiny_bert, phase=1, composition="glu", dictionary=None, dropout=0.0, **overrides):
+    d = dictionary or letter_dict()
+    task = TranslationBertTask(TranslationBertConfig(bert_model_name=tiny_bert, source_lang="in",
+                                                     target_lang="out"), d, d)
+    args = argparse.Namespace(arch="bert_jam", encoder_embed_dim=32, encoder_ffn_embed_dim=48,
+                              encoder_attention_heads=4, encoder_layers=2, decoder_layers=2, decoder_embed_dim=32,
+                              decoder_ffn_embed_dim=48, decoder_attention_heads=4, dropout=dropout,
+                              bert_jam_phase=phase, bert_composition=composition, **overrides)
+    torch.manual_seed(1)
+    return BertJamModel.build_model(args, task), d
+
+
+def batch(d):
+    """Two left-padded sources (fairseq's default) and right-padded previous target tokens."""
+    enc = lambda s: [d.index(c) for c in s]  # noqa: E731
+    src = torch.tensor([enc("hello") + [d.eos()], [d.pad()] * 2 + enc("abc") + [d.eos()]])
+    prev = torch.tensor([[d.eos()] + enc("ifmmp"), [d.eos()] + enc("bcd") + [d.pad()] * 2])
+    return src, torch.tensor([6, 4]), prev
+
+
+# ------------------------------------------------------------------------------------------------ Eq. 8/11
+
+def test_glu_init_gives_exactly_the_last_bert_layer_in_phase_1_and_half_of_it_after():
+    torch.manual_seed(0)
+    layers = torch.randn(5, 3, 16, 4)
+    comp = BertLayerComposition(4, "glu")
+    assert comp.alpha.tolist() == [0, 0, 0, 1] and comp.beta.tolist() == [0, 0, 0, 0]  # Eq. 11
+    comp.scale = 2.0  # phase 1
+    assert torch.equal(comp(layers), layers[..., -1])
+    comp.scale = 1.0  # phases 2 and 3: g = 1/2
+    assert torch.equal(comp(layers), layers[..., -1] / 2)
+    # Eq. 8 with arbitrary weights
+    with torch.no_grad():
+        comp.alpha.copy_(torch.tensor([0.1, -0.2, 0.3, 0.4]))
+        comp.beta.copy_(torch.tensor([0.5, 0.0, -1.0, 0.2]))
+    a = sum(comp.alpha[i] * layers[..., i] for i in range(4))
+    g = torch.sigmoid(sum(comp.beta[i] * layers[..., i] for i in range(4)))
+    assert_close(comp(layers), g * a, atol=1e-6, msg="Eq. 8")
+    # ablations: M1 linear (no gate, exact last layer at init), M2 last layer only (no parameters)
+    assert torch.equal(BertLayerComposition(4, "linear")(layers), layers[..., -1])
+    last = BertLayerComposition(4, "last")
+    assert torch.equal(last(layers), layers[..., -1]) and len(list(last.parameters())) == 0
+
+
+def test_model_phase_1_feeds_every_layer_the_last_bert_layer(tiny_bert):
+    model, d = build(tiny_bert, phase=1)
+    src, lengths, _ = batch(d)
+    enc = model.encoder(src, lengths)
+    bert_layers = enc["bert_out"][0]
+    assert bert_layers.shape[-1] == BERT_LAYERS  # all L layers, the embedding output excluded
+    hidden = model.encoder.bert(input_ids=model.encoder.bert_input_builder().batch_from_source(src),
+                                attention_mask=(~enc["bert_padding_mask"][0]).long(),
+                                output_hidden_states=True).hidden_states
+    assert len(hidden) == BERT_LAYERS + 1
+    for i in range(BERT_LAYERS):
+        assert torch.equal(bert_layers[..., i], hidden[i + 1].transpose(0, 1))
+    for layer in list(model.encoder.layers) + list(model.decoder.layers):
+        assert layer.bert_composition.scale == 2.0
+        assert torch.equal(layer.bert_composition(bert_layers), bert_layers[..., -1])
+    model2, _ = build(tiny_bert, phase=2)
+    assert all(layer.bert_composition.scale == 1.0 for layer in model2.encoder.layers)
+
+
+# ------------------------------------------------------------------------------------------------ joint attention
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_joint_attention_equals_standard_attention_over_the_concatenation(causal):
+    torch.manual_seed(0)
+    d, heads, T, S, B = 16, 4, 5, 7, 3
+    joint = JointMultiheadAttention(d, d, heads).eval()
+    with torch.no_grad():  # share the primary and secondary projections: then K = proj([S; R])
+        joint.k_sec_proj.weight.copy_(joint.k_proj.weight)
+        joint.k_sec_proj.bias.copy_(torch.randn(d))
+        joint.k_proj.bias.copy_(joint.k_sec_proj.bias)
+        joint.v_sec_proj.weight.copy_(joint.v_proj.weight)
+        joint.v_sec_proj.bias.copy_(torch.randn(d))
+        joint.v_proj.bias.copy_(joint.v_sec_proj.bias)
+        joint.q_proj.bias.copy_(torch.randn(d))
+    mha = MultiheadAttention(d, heads, kdim=d, vdim=d, dropout=0.0).eval()
+    mha.load_state_dict({k: v for k, v in joint.state_dict().items() if "sec" not in k})
+    R, Sx = torch.randn(T, B, d), torch.randn(S, B, d)
+    sec_pad = torch.zeros(B, S, dtype=torch.bool)
+    sec_pad[1, -3:] = True
+    self_pad = torch.zeros(B, T, dtype=torch.bool)
+    self_pad[2, -2:] = True
+    attn_mask = None
+    if causal:  # the causal mask covers the primary part only
+        attn_mask = torch.cat([torch.zeros(T, S), torch.triu(torch.full((T, T), float("-inf")), 1)], dim=1)
+    ref, ref_w = mha(R, torch.cat([Sx, R]), torch.cat([Sx, R]), key_padding_mask=torch.cat([sec_pad, self_pad], 1),
+                     attn_mask=attn_mask, need_weights=True, need_head_weights=True)
+    for need_weights in (False, True):
+        out, w = joint(R, Sx, sec_pad, self_pad, causal=causal, need_weights=need_weights)
+        assert_close(out, ref, atol=1e-5, msg=f"joint attention (need_weights={need_weights})")
+    if ref_w.dim() == 4:  # H x B x T x S+T (fairseq's own path) or B x T x S+T (torch's fast path, head mean)
+        ref_w = ref_w.mean(0)
+    assert_close(w.mean(1), ref_w[..., :S], atol=1e-6, msg="weights on the secondary part")
+    assert (w[1, :, :, -3:] == 0).all()  # padded BERT positions get no weight
+
+
+# ------------------------------------------------------------------------------------------------ phases
+
+def test_freezing_per_phase_parameter_by_parameter_and_bert_without_autograd(tiny_bert):
+    for phase in (1, 2, 3):
+        model, d = build(tiny_bert, phase=phase)
+        names = [n for n, _ in model.named_parameters()]
+        assert not any("pooler" in n for n in names)  # never built, so never trained or synchronised
+        for n, p in model.named_parameters():
+            is_bert = n.startswith("encoder.bert.")
+            is_glu = ".bert_composition." in n
+            expected = (phase == 3) if is_bert else (phase >= 2) if is_glu else True
+            assert p.requires_grad == expected, (phase, n)
+        n_glu = sum(".bert_composition." in n for n in names)
+        assert n_glu == 2 * (2 + 2)  # alpha and beta in each of the 2 encoder and 2 decoder layers
+        src, lengths, prev = batch(d)
+        model.train()
+        enc = model.encoder(src, lengths)
+        assert enc["bert_out"][0].requires_grad == (phase == 3)  # phases 1-2: BERT ran under no_grad
+        out = model(src, lengths, prev)[0]
+        out.sum().backward()
+        for n, p in model.named_parameters():
+            assert (p.grad is not None) == p.requires_grad, (phase, n)
+    # the same parameter names in every phase and ablation-free: a phase-1 state dict loads strictly in phase 3
+    m1, _ = build(tiny_bert, phase=1)
+    m3, _ = build(tiny_bert, phase=3)
+    m3.load_state_dict(m1.state_dict(), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m3.state_dict().values()))
+
+
+def test_bad_input_errors_name_the_flag(tiny_bert, tmp_path):
+    with pytest.raises(FairseqExtError, match="--bert-model-name"):
+        build(str(tmp_path / "missing"))
+    with pytest.raises(FairseqExtError, match="--bert-dropnet"):
+        build(tiny_bert, bert_dropnet=0.7)
+    d = letter_dict()
+    task = TranslationBertTask(TranslationBertConfig(source_lang="in", target_lang="out"), d, d)
+    with pytest.raises(FairseqExtError, match="--bert-model-name"):
+        BertJamModel.build_model(argparse.Namespace(arch="bert_jam"), task)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+@pytest.mark.parametrize("composition", ["glu", "linear", "last"])
+def test_incremental_decoding_equals_full_pass_and_reorder(tiny_bert, composition):
+    model, d = build(tiny_bert, phase=2, composition=composition)
+    model.eval()
+    with torch.no_grad():  # make the GLUs non-trivial
+        for comp in model.compositions():
+            for p in comp.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+    src, lengths, prev = batch(d)
+    prev = prev[:, :5].clone()
+    prev[1, 4] = d.index("e")
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        full, extra = model.decoder(prev, encoder_out=enc)
+        assert extra["attn"][0].shape == (2, 5, src.size(1))
+        inc_state = {}
+        steps = []
+        for t in range(prev.size(1)):
+            out, ex = model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=inc_state)
+            steps.append(out)
+            assert_close(ex["attn"][0][:, -1], extra["attn"][0][:, t], atol=1e-5, msg=f"attn step {t}")
+        assert_close(torch.cat(steps, 1), full, atol=1e-5, msg="incremental vs full")
+
+        # reorder with a permutation (beam search): caches and encoder output follow the new order
+        perm = torch.tensor([1, 0, 1])
+        inc_state = {}
+        for t in range(3):
+            model.decoder(prev[:, : t + 1], encoder_out=enc, incremental_state=inc_state)
+        model.decoder.reorder_incremental_state_scripting(inc_state, perm)
+        enc_p = model.encoder.reorder_encoder_out(enc, perm)
+        for t in range(3, prev.size(1)):
+            out, _ = model.decoder(prev[perm, : t + 1], encoder_out=enc_p, incremental_state=inc_state)
+        full_p, _ = model.decoder(prev[perm], encoder_out=enc_p)
+        assert_close(out[:, -1], full_p[:, -1], atol=1e-5, msg="after reorder")
+        assert_close(full_p, full[perm], atol=1e-5, msg="reordered encoder_out")
+
+
+def test_alignment_weights_are_on_the_source_inside_the_joint_softmax(tiny_bert):
+    model, d = build(tiny_bert)
+    model.eval()
+    src, lengths, prev = batch(d)
+    with torch.no_grad():
+        attn = model(src, lengths, prev)[1]["attn"][0]
+    assert attn.shape == (2, prev.size(1), src.size(1))
+    assert (attn[1, :, :2] == 0).all()  # left padding of the second source
+    s = attn.sum(-1)
+    assert ((s > 0) & (s < 1 + 1e-6)).all()  # the rest of the mass is on the decoder's own prefix
+
+
+def test_dropnet_branch_weights():
+    from fairseq_ext.models.bert_jam import BertJamDecoderLayer
+
+    layer = BertJamDecoderLayer.__new__(BertJamDecoderLayer)
+    torch.nn.Module.__init__(layer)
+    layer.dropnet = 0.5
+    layer.train()
+    torch.manual_seed(0)
+    seen = {layer.branch_weights() for _ in range(200)}
+    assert seen == {(1.0, 0.0), (0.0, 1.0)}
+    layer.eval()
+    assert layer.branch_weights() == (0.5, 0.5)  # Eq. 10 at inference
+
+
+# ------------------------------------------------------------------------------------------------ BERT input
+
+def test_bert_text_from_sentencepiece_and_subword_nmt_sources(tiny_bert):
+    spm = Dictionary()
+    for s in ["\u2581hel", "lo", "\u2581wor", "ld", "\u2581!", "\u2581a", "b"]:
+        spm.add_symbol(s)
+    assert detect_bpe(spm) == "sentencepiece"
+    b = BertInputBuilder(tiny_bert, spm)
+    assert (b.bpe, b.detokenize) == ("sentencepiece", "none")
+    row = torch.tensor([spm.pad(), spm.index("\u2581hel"), spm.index("lo"), spm.index("\u2581wor"), spm.index("ld"),
+                        spm.unk(), spm.eos()])
+    assert b.text_from_source(row) == "hello world [UNK]"
+
+    bpe = Dictionary()
+    for s in ["hel@@", "lo", "wor@@", "ld", "&apos;s", ".", "don", "&apos;t", "e@@", "-@@", "@-@", "x"]:
+        bpe.add_symbol(s)
+    assert detect_bpe(bpe) == "subword_nmt"
+    b = BertInputBuilder(tiny_bert, bpe)
+    assert (b.bpe, b.detokenize) == ("subword_nmt", "moses")
+    ids = [bpe.index(s) for s in ["hel@@", "lo", "wor@@", "ld", "&apos;s", "x", "@-@", "x", "."]] + [bpe.eos()]
+    assert b.text_from_source(torch.tensor(ids)) == "hello world's x-x."
+    assert remove_bpe("a@@ b c", "subword_nmt") == "ab c"
+    assert moses_detokenize("( a , b ) don &apos;t &quot;") == "(a, b) don't \""
+
+    # ids: the tokenizer's own special tokens, right padding with BERT's pad id, truncation to the limit
+    tok = b.tokenizer
+    out = b.batch_from_source(torch.stack([torch.tensor(ids), torch.tensor([bpe.pad()] * 8 + [bpe.index("x"), bpe.eos()])]))
+    assert out[0].tolist() == tok("hello world's x-x.")["input_ids"]
+    assert out[1].tolist()[:3] == [tok.cls_token_id, tok.convert_tokens_to_ids("x"), tok.sep_token_id]
+    assert set(out[1].tolist()[3:]) == {tok.pad_token_id}
+    long = BertInputBuilder(tiny_bert, bpe, max_length=6)
+    assert long.max_length == 6
+    enc = long.encode(["a b c d e f g h"])[0]
+    assert enc == [tok.cls_token_id] + tok.convert_tokens_to_ids(list("abcd")) + [tok.sep_token_id]
+    assert long.n_truncated == 1
+    assert BertInputBuilder(tiny_bert, bpe).max_length == 24  # max_position_embeddings of the tiny BERT
+
+
+def test_dataset_collates_bert_input_in_batch_order(tiny_bert):
+    from fairseq.data import LanguagePairDataset, ListDataset
+
+    d = letter_dict()
+    srcs = [torch.tensor([d.index(c) for c in w] + [d.eos()]) for w in ["ab", "abcde", "abc"]]
+    berts = [torch.tensor([2, 5 + i, 3]) for i in range(3)]
+    base = LanguagePairDataset(srcs, torch.tensor([len(s) for s in srcs]), d, srcs, torch.tensor([len(s) for s in srcs]), d)
+    ds = LanguagePairBertDataset(base, ListDataset(berts), bert_pad=0)
+    b = ds.collater([ds[i] for i in range(3)])
+    assert b["id"].tolist() == [1, 2, 0]  # fairseq sorts by source length
+    assert b["net_input"]["bert_input"].tolist() == [[2, 6, 3], [2, 7, 3], [2, 5, 3]]
+    with pytest.raises(FairseqExtError, match="bert_prepare"):
+        LanguagePairBertDataset(base, ListDataset(berts[:2]), bert_pad=0)
