@@ -127,6 +127,10 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment):
             raise FairseqExtError("translation_sat does not support --constraints")
         self.model.decoder_calls = 0
         self.model._order = None
+        # the encoder-attention caches hold one row per sentence when beam > 1; set it for every call, as
+        # the same model may have been used by a generator with another beam size
+        if hasattr(self.model.single_model, "set_beam_size"):
+            self.model.single_model.set_beam_size(self.beam_size)
         if self.print_alignment:
             out = SequenceGeneratorWithAlignment.generate(self, models, sample, **kwargs)
         else:

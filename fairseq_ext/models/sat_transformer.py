@@ -138,12 +138,12 @@ class SATDecoder(TransformerDecoderBase):
         n_cached = 0
         if incremental_state is not None:
             n_cached = self._cached_length(incremental_state)
-            if n_cached == 0 and slen < K:
+            if slen % K != 0:  # a group's outputs depend on all K of its inputs (relaxed mask)
                 raise FairseqExtError(
-                    f"sat_transformer with --sat-group-size {K} was asked to decode {slen} position(s) at a "
-                    f"time: it must be decoded with its own generator, which feeds {K} start symbols and "
-                    f"{K} new positions per step. Use --task translation_sat with fairseq-generate / "
-                    f"fairseq-interactive / --eval-bleu (fairseq's SequenceGenerator handles one token per step)."
+                    f"sat_transformer with --sat-group-size {K} was asked to decode a prefix of {slen} "
+                    f"position(s): incremental decoding consumes whole groups of {K} (K start symbols, then "
+                    f"{K} new positions per step). Decode it with --task translation_sat (fairseq-generate, "
+                    f"fairseq-interactive, --eval-bleu); fairseq's SequenceGenerator adds one token per step."
                 )
             if slen <= n_cached:
                 raise FairseqExtError(

@@ -1,0 +1,392 @@
+"""Tests of the Semi-Autoregressive Transformer (issue #4): fairseq_ext.models.sat_transformer,
+fairseq_ext.tasks.translation_sat, fairseq_ext.generators.sat_generator and the SAT scripts.
+
+In-process checks on tiny random models (exactness), then one module-scoped set of CLI runs
+(fairseq-train / -generate / -interactive with --user-dir) on the dummy data of tests/helpers.py.
+"""
+
+import argparse
+import math
+import os
+import re
+
+import pytest
+import torch
+
+import fairseq_ext  # noqa: F401  (registers the plugin)
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq.data import Dictionary
+from fairseq.models import ARCH_CONFIG_REGISTRY
+from fairseq.models.transformer import TransformerModel
+from fairseq.sequence_generator import SequenceGenerator
+
+from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.generators.sat_generator import SATSequenceGenerator
+from fairseq_ext.models.sat_transformer import SATModel, relaxed_causal_mask, sat_decoder_input
+from tests.helpers import (
+    ROOT,
+    assert_close,
+    create_dummy_data,
+    generate_main,
+    hypotheses,
+    preprocess_translation_data,
+    run_cli,
+    run_module,
+    train_translation_model,
+)
+
+# --------------------------------------------------------------------------------------------------------
+# tiny random models
+
+
+def _dictionary(n=16):
+    d = Dictionary()
+    for i in range(n):
+        d.add_symbol(chr(ord("a") + i))
+    return d
+
+
+DICT = _dictionary()
+
+
+class _Task:
+    source_dictionary = DICT
+    target_dictionary = DICT
+
+
+def _args(arch, K=None, learned=False, **kw):
+    args = argparse.Namespace(
+        arch=arch, encoder_layers=2, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
+        encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_learned_pos=learned,
+        encoder_learned_pos=learned, **kw)
+    if K is not None:
+        args.sat_group_size = K
+    ARCH_CONFIG_REGISTRY[arch](args)
+    return args
+
+
+def sat_model(K, learned=False, seed=0, eos_boost=2.0):
+    torch.manual_seed(seed)
+    m = SATModel.build_model(_args("sat_transformer", K, learned), _Task()).eval()
+    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
+        m.decoder.output_projection.weight[DICT.eos()] *= eos_boost
+    return m
+
+
+def transformer_with_weights_of(sat):
+    t = TransformerModel.build_model(_args("transformer"), _Task()).eval()
+    t.load_state_dict(sat.state_dict(), strict=True)
+    return t
+
+
+def _batch(bsz=3, src_len=7, tgt_len=11, seed=1, pad_last=True):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(DICT.nspecial, len(DICT), (bsz, src_len), generator=g)
+    src[:, -1] = DICT.eos()
+    src_lengths = torch.full((bsz,), src_len)
+    if pad_last and bsz > 1:  # left-padded source (fairseq's default) of a shorter sentence
+        src[-1, :2] = DICT.pad()
+        src_lengths[-1] = src_len - 2
+    tgt = torch.randint(DICT.nspecial, len(DICT), (bsz, tgt_len), generator=g)
+    tgt[:, -1] = DICT.eos()
+    if pad_last and bsz > 1:  # right-padded target of a shorter sentence
+        tgt[-1, -4:] = DICT.pad()
+        tgt[-1, -5] = DICT.eos()
+    prev = torch.cat([torch.full((bsz, 1), DICT.eos()), tgt[:, :-1]], dim=1)
+    prev[prev.eq(DICT.eos()) & (torch.arange(tgt_len) > 0)] = DICT.pad() if pad_last else DICT.eos()
+    return src, src_lengths, tgt, prev
+
+
+def _sample(src, src_lengths, tgt=None, prev=None):
+    s = {"id": torch.arange(src.size(0)), "net_input": {"src_tokens": src, "src_lengths": src_lengths}}
+    if tgt is not None:
+        s["target"] = tgt
+        s["net_input"]["prev_output_tokens"] = prev
+        s["ntokens"] = int(tgt.ne(DICT.pad()).sum())
+    return s
+
+
+# --------------------------------------------------------------------------------------------------------
+# the model: mask, shift, incremental decoding, K = 1 equals the Transformer
+
+
+def test_relaxed_causal_mask_is_the_papers():
+    # Figure 4 (right): n = 6, K = 2; M[i][j] = 1 iff j < (floor(i/K)+1)*K
+    visible = relaxed_causal_mask(0, 6, 2, torch.zeros(1)).eq(0).int()
+    expected = torch.tensor([
+        [1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    assert torch.equal(visible, expected)
+    for K in (1, 3, 4):
+        v = relaxed_causal_mask(0, 10, K, torch.zeros(1)).eq(0)
+        for i in range(10):
+            for j in range(10):
+                assert bool(v[i, j]) == (j < (i // K + 1) * K)
+    assert torch.equal(relaxed_causal_mask(0, 7, 1, torch.zeros(1)).eq(0), torch.ones(7, 7).tril().bool())
+    # rows of the incremental mask are rows of the full one
+    assert torch.equal(relaxed_causal_mask(4, 9, 3, torch.zeros(1)), relaxed_causal_mask(0, 9, 3, torch.zeros(1))[4:])
+
+
+def test_sat_decoder_input_long_distance_prediction():
+    e, p = DICT.eos(), DICT.pad()
+    prev = torch.tensor([[e, 11, 12, 13, 14, 15, 16], [e, 21, 22, 23, p, p, p]])
+    # K = 3: position t holds y_{t-K} (1-based y: t-th word predicted from the word K before it)
+    assert sat_decoder_input(prev, 3, e).tolist() == [
+        [e, e, e, 11, 12, 13, 14, 15, 16], [e, e, e, 21, 22, 23, p, p, p]]
+    assert sat_decoder_input(prev, 2, e).tolist() == [[e, e, 11, 12, 13, 14, 15, 16], [e, e, 21, 22, 23, p, p, p]]
+    assert sat_decoder_input(prev, 1, e) is prev
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_training_output_sees_exactly_its_group_and_earlier(K):
+    """Invariant of the relaxed mask + long-distance prediction: the output at target position t changes
+    when the decoder input of any position in t's group or earlier changes, and never for later ones."""
+    m = sat_model(K)
+    src, src_lengths, tgt, prev = _batch(bsz=1, tgt_len=9, pad_last=False)
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    enc = m.encoder(src, src_lengths)
+    base, _ = m.decoder(sat_in, enc)
+    for j in range(sat_in.size(1)):
+        changed = sat_in.clone()
+        changed[0, j] = DICT.nspecial + (int(changed[0, j]) - DICT.nspecial + 1) % (len(DICT) - DICT.nspecial)
+        out, _ = m.decoder(changed, enc)
+        moved = (out - base).abs().amax(-1)[0] > 1e-6
+        for i in range(sat_in.size(1)):
+            assert bool(moved[i]) == (j < (i // K + 1) * K), (i, j)
+
+
+@pytest.mark.parametrize("learned", [False, True])
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 6])
+def test_incremental_k_positions_equal_full_pass(K, learned):
+    m = sat_model(K, learned=learned)
+    src, src_lengths, tgt, prev = _batch(bsz=3, tgt_len=13, pad_last=False)
+    enc = m.encoder(src, src_lengths)
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    full, full_extra = m.decoder(sat_in, enc)
+    state, outs, attns = {}, [], []
+    for end in range(K, sat_in.size(1) + 1, K):
+        out, extra = m.decoder(sat_in[:, :end], enc, incremental_state=state)
+        assert out.size(1) == K
+        outs.append(out)
+        attns.append(extra["attn"][0])
+    assert_close(torch.cat(outs, 1), full, 1e-5, f"K={K} incremental vs full")
+    assert_close(torch.cat(attns, 1), full_extra["attn"][0], 1e-5, f"K={K} attention")
+    # the model's training forward is the same pass, cut to the target length
+    out, _ = m(src, src_lengths, prev)
+    assert_close(out, full[:, : prev.size(1)], 0, "model.forward")
+
+
+@pytest.mark.parametrize("K", [2, 3])
+def test_incremental_uneven_steps_and_reorder(K):
+    """Steps of several whole groups at once (the mask then covers the later groups), a prefix that is not
+    whole groups is refused, and reorder_incremental_state with a permutation."""
+    m = sat_model(K)
+    src, src_lengths, tgt, prev = _batch(bsz=4, tgt_len=12, pad_last=False)
+    enc = m.encoder(src, src_lengths)
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    full, _ = m.decoder(sat_in, enc)
+    state, outs, start = {}, [], 0
+    for end in [K, 3 * K, sat_in.size(1)]:
+        out, _ = m.decoder(sat_in[:, :end], enc, incremental_state=state)
+        outs.append(out)
+    assert_close(torch.cat(outs, 1), full, 1e-5, "uneven steps")
+    with pytest.raises(FairseqExtError, match="whole groups"):
+        m.decoder(sat_in[:, : K + 1], enc, incremental_state={})
+
+    # reorders as beam search makes them: rows 2s, 2s+1 are two hypotheses of sentence s (same source);
+    # a hypothesis may be continued twice, and finished sentences leave the batch
+    src2 = src[:2].repeat_interleave(2, dim=0)
+    enc = m.encoder(src2, src_lengths[:4])
+    full, _ = m.decoder(sat_in, enc)
+    for perm in (torch.tensor([1, 1, 3, 2]), torch.tensor([3, 2]), torch.tensor([0, 1, 2, 3])):
+        state = {}
+        m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
+        m.decoder.reorder_incremental_state_scripting(state, perm)
+        enc_p = m.encoder.reorder_encoder_out(enc, perm)
+        second, _ = m.decoder(sat_in[perm, : 3 * K], enc_p, incremental_state=state)
+        assert_close(second, full[perm, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
+
+
+def test_k1_training_loss_equals_fairseq_transformer():
+    sat = sat_model(1)
+    ref = transformer_with_weights_of(sat)
+    src, src_lengths, tgt, prev = _batch(bsz=3, tgt_len=11)
+    sample = _sample(src, src_lengths, tgt, prev)
+    crit = LabelSmoothedCrossEntropyCriterion(_Task(), sentence_avg=False, label_smoothing=0.1)
+    loss_sat, _, log_sat = crit(sat, sample)
+    loss_ref, _, log_ref = crit(ref, sample)
+    assert loss_sat.item() == loss_ref.item()
+    assert log_sat["nll_loss"].item() == log_ref["nll_loss"].item()
+    # gradients too
+    sat.train(), ref.train()
+    crit(sat, sample)[0].backward()
+    crit(ref, sample)[0].backward()
+    for (n, a), (_, b) in zip(sat.named_parameters(), ref.named_parameters()):
+        assert_close(a.grad, b.grad, 1e-6, n)
+
+
+def test_k2_loss_is_label_smoothed_ce_of_group_predictions():
+    """The stock criterion on the SAT output = the loss computed by hand from the relaxed-mask pass."""
+    m = sat_model(2)
+    src, src_lengths, tgt, prev = _batch(bsz=3, tgt_len=9)
+    sample = _sample(src, src_lengths, tgt, prev)
+    crit = LabelSmoothedCrossEntropyCriterion(_Task(), sentence_avg=False, label_smoothing=0.0)
+    loss, _, _ = crit(m, sample)
+    enc = m.encoder(src, src_lengths)
+    full, _ = m.decoder(sat_decoder_input(prev, 2, DICT.eos()), enc)
+    lp = torch.log_softmax(full[:, :9].float(), -1)
+    mask = tgt.ne(DICT.pad())
+    manual = -lp.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)[mask].sum()
+    assert abs(loss.item() - manual.item()) < 1e-4
+
+
+# --------------------------------------------------------------------------------------------------------
+# the generator
+
+
+def _gen(models, **kw):
+    return SATSequenceGenerator(models, DICT, **kw)
+
+
+def _same_hypos(a, b, what, atol=1e-5, attention=False):
+    assert len(a) == len(b), what
+    for s, (ha, hb) in enumerate(zip(a, b)):
+        assert len(ha) == len(hb), f"{what} sentence {s}: {len(ha)} vs {len(hb)} hypotheses"
+        for x, y in zip(ha, hb):
+            assert x["tokens"].tolist() == y["tokens"].tolist(), f"{what} sentence {s}"
+            assert abs(float(x["score"]) - float(y["score"])) <= atol, f"{what} sentence {s} score"
+            assert_close(x["positional_scores"], y["positional_scores"], atol, f"{what} sentence {s}")
+            if attention:
+                assert_close(x["attention"], y["attention"], atol, f"{what} sentence {s} attention")
+
+
+@pytest.mark.parametrize("beam,lenpen", [(1, 1.0), (2, 0.6), (4, 1.0), (5, 1.6)])
+def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen):
+    sat = sat_model(1)
+    ref = transformer_with_weights_of(sat)
+    src, src_lengths, _, _ = _batch(bsz=4, src_len=6)
+    sample = _sample(src, src_lengths)
+    opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=0.3)
+    ours = _gen([sat], **opts).generate([sat], sample)
+    theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], sample)
+    _same_hypos(ours, theirs, f"beam {beam} lenpen {lenpen}", attention=True)
+    lengths = {len(h["tokens"]) for hs in theirs for h in hs}
+    assert len(lengths) > 1  # the comparison covers hypotheses of several lengths
+
+
+def _reference_search(model, src, src_lengths, beam, max_len, min_len=1, lenpen=1.0, unkpen=0.0):
+    """Slow beam search with the semantics of fairseq's BeamSearch (2*beam candidates; EOS among the top
+    beam finalises; the first beam non-EOS continue), scoring every candidate by a full forward pass of
+    the model on the hypothesis (relaxed mask, no cache). One sentence at a time."""
+    eos, pad, unk = DICT.eos(), DICT.pad(), DICT.unk()
+    results = []
+    for b in range(src.size(0)):
+        s, sl = src[b: b + 1], src_lengths[b: b + 1]
+        n_pad = int(s.eq(pad).sum())
+        s, sl = s[:, n_pad:], sl  # drop the left padding
+        hyps = [([], torch.zeros(()), [])]
+        finalized = []
+        for step in range(max_len + 1):
+            live = hyps if step > 0 else hyps[:1]
+            # every hypothesis has `step` words: one full forward pass (no cache) scores all of them
+            prev = torch.tensor([[eos] + toks for toks, _, _ in live])
+            out, _ = model(s.expand(len(live), -1), sl.expand(len(live)), prev)
+            lp = model.get_normalized_probs((out, None), log_probs=True)[:, -1].clone()
+            lp[:, pad] = -math.inf
+            lp[:, unk] -= unkpen
+            if step >= max_len:
+                keep = lp[:, eos].clone()
+                lp[:] = -math.inf
+                lp[:, eos] = keep
+            if step < min_len:
+                lp[:, eos] = -math.inf
+            total = lp + torch.stack([score for _, score, _ in live]).unsqueeze(1)  # [hyps, V]
+            order = torch.sort(total.view(-1), descending=True, stable=True).indices[: 2 * beam].tolist()
+            new_hyps = []
+            for rank, flat in enumerate(order):
+                h, v = divmod(flat, len(DICT))
+                toks, score, pos = live[h]
+                cand, lpv = total[h, v], lp[h, v]
+                if v == eos and cand.item() != -math.inf:
+                    if rank < beam and len(finalized) < beam:
+                        finalized.append((toks + [eos], cand / (step + 1) ** lenpen, pos + [lpv]))
+                    continue
+                if len(new_hyps) < beam:
+                    new_hyps.append((toks + [v], cand, pos + [lpv]))
+            if len(finalized) >= beam or step == max_len:
+                break
+            hyps = new_hyps
+        finalized.sort(key=lambda f: -float(f[1]))
+        results.append(finalized)
+    return results
+
+
+@pytest.mark.parametrize("K,beam,lenpen", [(2, 3, 1.0), (3, 2, 0.6), (2, 4, 1.4), (4, 3, 1.0)])
+def test_group_beam_search_equals_slow_reference(K, beam, lenpen):
+    m = sat_model(K, seed=K)
+    src, src_lengths, _, _ = _batch(bsz=3, src_len=6, seed=K)
+    max_len, min_len = 9, 2
+    gen = _gen([m], beam_size=beam, len_penalty=lenpen, max_len_a=0, max_len_b=max_len, min_len=min_len,
+               unk_penalty=0.5)
+    ours = gen.generate([m], _sample(src, src_lengths))
+    ref = _reference_search(m, src, src_lengths, beam, max_len, min_len, lenpen, unkpen=0.5)
+    for s, (hs, rs) in enumerate(zip(ours, ref)):
+        assert len(hs) == len(rs) == beam
+        for h, (toks, score, pos) in zip(hs, rs):
+            assert h["tokens"].tolist() == toks, f"sentence {s}"
+            assert abs(float(h["score"]) - float(score)) < 1e-4, f"sentence {s}"
+            assert_close(h["positional_scores"], torch.stack(pos), 1e-4, f"sentence {s}")
+    # one decoder call per group of the longest finished hypothesis
+    longest = max(len(h["tokens"]) for hs in ours for h in hs)
+    assert gen.decoder_calls == math.ceil(longest / K)
+
+
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_greedy_k_words_per_call(K):
+    m = sat_model(K, seed=10 + K)
+    src, src_lengths, _, _ = _batch(bsz=4, src_len=6, seed=3)
+    opts = dict(beam_size=1, len_penalty=1.3, max_len_a=1.0, max_len_b=5, min_len=3, unk_penalty=0.2)
+    fast = _gen([m], **opts)
+    ours = fast.generate([m], _sample(src, src_lengths))
+    # the same search through fairseq's token-level loop with cached group distributions
+    slow = _gen([m], greedy_fast_path=False, **opts)
+    assert fast.greedy_fast_path and not slow.greedy_fast_path
+    _same_hypos(ours, slow.generate([m], _sample(src, src_lengths)), f"greedy K={K}", attention=True)
+    # and the argmax of full forward passes
+    ref = _reference_search(m, src, src_lengths, 1, max_len=int(1.0 * src.size(1) + 5), min_len=3,
+                            lenpen=1.3, unkpen=0.2)
+    for h, r in zip(ours, ref):
+        assert h[0]["tokens"].tolist() == r[0][0]
+    # ceil(len / K) decoder calls for one sentence at a time
+    for b in range(src.size(0)):
+        hyp = fast.generate([m], _sample(src[b: b + 1], src_lengths[b: b + 1]))[0][0]
+        assert fast.decoder_calls == math.ceil(len(hyp["tokens"]) / K), (b, len(hyp["tokens"]))
+
+
+def test_nbest_alignment_and_hypothesis_fields():
+    m = sat_model(2)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=5)
+    gen = _gen([m], beam_size=3, max_len_b=8, print_alignment="hard")
+    out = gen.generate([m], _sample(src, src_lengths))
+    for hs in out:
+        assert len(hs) == 3
+        assert [float(h["score"]) for h in hs] == sorted([float(h["score"]) for h in hs], reverse=True)
+        for h in hs:
+            assert h["tokens"][-1].item() == DICT.eos() and DICT.pad() not in h["tokens"].tolist()
+            assert h["positional_scores"].shape == h["tokens"].shape
+            assert h["attention"].shape == (src.size(1), len(h["tokens"]))
+            assert len(h["alignment"]) > 0 and all(len(pair) == 2 for pair in h["alignment"])
+
+
+def test_misuse_fails_clearly():
+    m = sat_model(3)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=5)
+    with pytest.raises(FairseqExtError, match="translation_sat"):  # fairseq's one-token-per-step generator
+        SequenceGenerator([m], DICT, beam_size=2).generate([m], _sample(src, src_lengths))
+    with pytest.raises(FairseqExtError, match="ensemble"):
+        _gen([m, m], beam_size=2)
+    with pytest.raises(FairseqExtError, match="--sat-group-size"):
+        SATModel.build_model(_args("sat_transformer", 0), _Task())
+    with pytest.raises(FairseqExtError, match="--prefix-size"):
+        _gen([m], beam_size=2).generate([m], _sample(src, src_lengths), prefix_tokens=src[:, :1])
