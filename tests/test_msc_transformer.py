@@ -1,0 +1,526 @@
+"""msc_transformer (Wei et al., ACL 2020): equations, ablations, exactness of incremental decoding and
+reordering, parameter counts of Table 2, the L2 criterion, per-layer gradient norms, activation
+checkpointing, and the fairseq CLI (train / generate / interactive / plot) through --user-dir."""
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+import torch
+
+import fairseq_ext  # noqa: F401  (registers everything)
+from fairseq.data import Dictionary
+from fairseq.logging import metrics
+from fairseq.models import ARCH_CONFIG_REGISTRY
+from fairseq.models.transformer import TransformerModel
+
+from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.criterions.msc_label_smoothed_cross_entropy_l2 import (
+    LabelSmoothedCrossEntropyL2Criterion,
+    encoder_weight_matrices,
+)
+from fairseq_ext.models.msc_transformer import MSCContextFFN, MSCContextGRU, MSCGate, MSCTransformerModel
+from tests.helpers import (
+    assert_close,
+    create_dummy_data,
+    generate_main,
+    hypotheses,
+    preprocess_translation_data,
+    run_module,
+    train_translation_model,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These models are tiny: one intra-op thread is faster than two fighting over a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class _Task:
+    def __init__(self, d):
+        self.source_dictionary = self.target_dictionary = d
+
+
+def _dictionary(vocab):
+    d = Dictionary()
+    for i in range(vocab - len(d)):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def build(arch="msc_transformer", extra=(), vocab=40, tiny=True):
+    d = _dictionary(vocab)
+    p = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
+    MSCTransformerModel.add_args(p)
+    flags = list(extra)
+    if tiny:
+        flags = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "24",
+                 "--decoder-ffn-embed-dim", "24", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+                 "--dropout", "0", "--attention-dropout", "0", "--share-all-embeddings"] + flags
+    a = p.parse_args(flags)
+    ARCH_CONFIG_REGISTRY[arch](a)
+    torch.manual_seed(0)
+    return MSCTransformerModel.build_model(a, _Task(d)), d
+
+
+def _batch(d, seed=0, bsz=3, src_len=7, tgt_len=6):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(d.nspecial, len(d), (bsz, src_len), generator=g)
+    src[:, -1] = d.eos()
+    src[1, :3] = d.pad()  # left-padded source, as fairseq batches it
+    lengths = src.ne(d.pad()).sum(1)
+    tgt = torch.randint(d.nspecial, len(d), (bsz, tgt_len), generator=g)
+    tgt[:, 0] = d.eos()
+    return src, lengths, tgt
+
+
+ABLATIONS = {
+    "msc": [],
+    "uneven_blocks": ["--encoder-layers-per-block", "1,3,2"],
+    "add_fusion": ["--msc-fusion", "add"],
+    "ffn_cell": ["--msc-context-cell", "ffn"],
+    "no_cxt_enc_attn": ["--no-context-attention"],
+    "no_contextual": ["--no-contextual-collaboration"],
+    "no_block_scale": ["--no-block-scale-collaboration"],
+    "plain": ["--no-contextual-collaboration", "--no-block-scale-collaboration"],
+}
+BLOCKS = ["--encoder-blocks", "3", "--encoder-layers-per-block", "2"]
+
+
+def _flags(name):
+    return (BLOCKS if name != "uneven_blocks" else []) + ABLATIONS[name]
+
+
+# ------------------------------------------------------------------------------------------------------
+# incremental decoding == full pass; reordering
+# ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(ABLATIONS))
+def test_incremental_decoding_equals_full_pass(name):
+    model, d = build(extra=_flags(name))
+    model.eval()
+    src, lengths, tgt = _batch(d)
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        full, extra = model.decoder(tgt, enc)
+        inc = {}
+        for t in range(tgt.size(1)):
+            step, step_extra = model.decoder(tgt[:, : t + 1], enc, incremental_state=inc)
+            assert_close(step[:, 0], full[:, t], 1e-5, f"{name} step {t}")
+            assert_close(step_extra["attn"][0][:, 0], extra["attn"][0][:, t], 1e-5, f"{name} attn {t}")
+
+
+@pytest.mark.parametrize("name", ["msc", "no_block_scale", "plain"])
+def test_reorder_incremental_state_and_encoder_out_with_permutation(name):
+    model, d = build(extra=_flags(name))
+    model.eval()
+    src, lengths, tgt = _batch(d, bsz=4)
+    perm = torch.tensor([2, 0, 3, 1])
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        full, _ = model.decoder(tgt, enc)
+        inc = {}
+        for t in range(3):
+            model.decoder(tgt[:, : t + 1], enc, incremental_state=inc)
+        enc_p = model.encoder.reorder_encoder_out(enc, perm)
+        model.decoder.reorder_incremental_state_scripting(inc, perm)
+        tgt_p = tgt[perm]
+        for t in range(3, tgt.size(1)):
+            step, _ = model.decoder(tgt_p[:, : t + 1], enc_p, incremental_state=inc)
+            assert_close(step[:, 0], full[perm, t], 1e-5, f"{name} reordered step {t}")
+
+
+def test_encoder_out_carries_every_block_and_context_and_reorders_them():
+    model, d = build(extra=BLOCKS)
+    model.eval()
+    src, lengths, _ = _batch(d, bsz=4)
+    perm = torch.tensor([3, 1, 0, 2])
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        assert len(enc["msc_blocks"]) == 3 and len(enc["msc_contexts"]) == 4  # B^1..B^3, C^0..C^3
+        assert enc["encoder_out"][0] is enc["msc_blocks"][-1]
+        for x in enc["msc_blocks"] + enc["msc_contexts"]:
+            assert x.shape == (src.size(1), 4, 16)
+        # blocks and contexts are all different tensors
+        for i in range(3):
+            assert not torch.allclose(enc["msc_blocks"][i], enc["msc_blocks"][(i + 1) % 3])
+        re = model.encoder.reorder_encoder_out(enc, perm)
+        enc2 = model.encoder(src[perm], lengths[perm])
+    for key in ("msc_blocks", "msc_contexts", "encoder_out", "encoder_padding_mask", "encoder_embedding",
+                "src_lengths"):
+        assert len(re[key]) == len(enc2[key])
+        for a, b in zip(re[key], enc2[key]):
+            assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a.float(), b.float(), atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the equations
+# ------------------------------------------------------------------------------------------------------
+def test_gate_is_eq12():
+    torch.manual_seed(0)
+    g = MSCGate(8)
+    a_h, a_c = torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    gate = torch.sigmoid(a_h @ g.W1.weight.t() + a_c @ g.W2.weight.t() + g.W2.bias)
+    assert_close(g(a_h, a_c), gate * a_h + (1 - gate) * a_c, 1e-6, "gate")
+    assert g.W1.bias is None and sum(p.numel() for p in g.parameters()) == 2 * 8 * 8 + 8
+
+
+def test_encoder_follows_eq6_9_10_12_and_decoder_attends_block_n():
+    """Recompute the encoder by hand from its sub-modules: C^0 = embedded input, each layer of block n fuses
+    Attn_h with Attn_c over C^{n-1} by the gate, C^n = GRU(LN_n(B^n), C^{n-1}); and decoder layer n's
+    attentions read B^n and C^n (checked with forward hooks)."""
+    model, d = build(extra=["--encoder-layers-per-block", "2,1,3"])
+    model.eval()
+    enc_m = model.encoder
+    src, lengths, tgt = _batch(d)
+    mask = src.eq(d.pad())
+    with torch.no_grad():
+        out = enc_m(src, lengths)
+        x = enc_m.forward_embedding(src)[0] * (~mask).unsqueeze(-1)
+        x = x.transpose(0, 1)
+        C = x
+        assert_close(out["msc_contexts"][0], C, 1e-6, "C^0")
+        li = 0
+        for n, m in enumerate([2, 1, 3]):
+            for _ in range(m):
+                L = enc_m.layers[li]
+                h = L.self_attn_layer_norm(x)
+                a_h = L.self_attn(h, h, h, key_padding_mask=mask)[0]
+                a_c = L.context_attn(h, C, C, key_padding_mask=mask)[0]
+                g = torch.sigmoid(L.gate.W1(a_h) + L.gate.W2(a_c))
+                o = g * a_h + (1 - g) * a_c + x  # Eq. 12
+                x = L.fc2(torch.relu(L.fc1(L.final_layer_norm(o)))) + o
+                li += 1
+            ln = enc_m.layer_norm if n == 2 else enc_m.block_layer_norms[n]
+            b = ln(x).masked_fill(mask.t().unsqueeze(-1), 0)
+            assert_close(out["msc_blocks"][n], b, 1e-5, f"B^{n + 1}")
+            T, B, D = b.shape
+            C = enc_m.context_cell.cell(b.reshape(-1, D), C.reshape(-1, D)).view(T, B, D)  # Eq. 9
+            C = C.masked_fill(mask.t().unsqueeze(-1), 0)
+            assert_close(out["msc_contexts"][n + 1], C, 1e-5, f"C^{n + 1}")
+        assert isinstance(enc_m.context_cell, MSCContextGRU)
+
+        seen = {}
+        hooks = []
+        for n, layer in enumerate(model.decoder.layers):
+            for attr in ("encoder_attn", "context_attn"):
+                hooks.append(getattr(layer, attr).register_forward_hook(
+                    lambda mod, args, kwargs, res, key=(n, attr): seen.__setitem__(key, kwargs["key"]),
+                    with_kwargs=True))
+        model.decoder(tgt, out)
+        for h in hooks:
+            h.remove()
+    for n in range(3):
+        assert seen[(n, "encoder_attn")] is out["msc_blocks"][n]  # Eq. 7: decoder block n <- encoder block n
+        assert seen[(n, "context_attn")] is out["msc_contexts"][n + 1]  # Eq. 11: <- C^n
+
+
+def test_ablation_structure():
+    counts = {}
+    for name in ABLATIONS:
+        model, _ = build(extra=_flags(name))
+        counts[name] = sum(p.numel() for p in model.parameters())
+        enc, dec = model.encoder, model.decoder
+        has_ctx_enc = all(layer.context_attn is not None for layer in enc.layers)
+        has_ctx_dec = all(layer.context_attn is not None for layer in dec.layers)
+        has_gate = all(layer.gate is not None for layer in list(dec.layers))
+        assert len(enc.layers) == 6 and len(dec.layers) == 3
+        if name in ("no_contextual", "plain"):
+            assert enc.context_cell is None and not has_ctx_enc and not has_ctx_dec
+        else:
+            assert has_ctx_dec and has_ctx_enc == (name != "no_cxt_enc_attn")
+            assert has_gate == (name != "add_fusion")
+            assert isinstance(enc.context_cell, MSCContextFFN if name == "ffn_cell" else MSCContextGRU)
+    d = 16
+    attn, gate, gru = 4 * d * d + 4 * d, 2 * d * d + d, 6 * d * d + 6 * d
+    assert counts["msc"] - counts["add_fusion"] == 9 * gate
+    assert counts["msc"] - counts["no_cxt_enc_attn"] == 6 * (attn + gate)
+    assert counts["msc"] - counts["no_contextual"] == 9 * (attn + gate) + gru
+    assert counts["msc"] - counts["ffn_cell"] == gru - (2 * d * 24 + 24 + 24 * d + d)
+    assert counts["no_contextual"] - counts["plain"] == 2 * 2 * d  # LN_1, LN_2 of the lower blocks
+    assert counts["msc"] - counts["no_block_scale"] == 0
+
+
+def test_plain_ablation_is_exactly_fairseq_prenorm_transformer():
+    """--no-contextual-collaboration --no-block-scale-collaboration == fairseq's transformer with
+    --encoder-normalize-before --decoder-normalize-before (same state dict, same outputs)."""
+    model, d = build(extra=BLOCKS + ABLATIONS["plain"])
+    p = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
+    TransformerModel.add_args(p)
+    a = p.parse_args(["--encoder-embed-dim", "16", "--encoder-ffn-embed-dim", "24", "--encoder-attention-heads", "2",
+                      "--decoder-attention-heads", "2", "--encoder-layers", "6", "--decoder-layers", "3",
+                      "--dropout", "0", "--share-all-embeddings", "--encoder-normalize-before",
+                      "--decoder-normalize-before"])
+    ARCH_CONFIG_REGISTRY["transformer"](a)
+    ref = TransformerModel.build_model(a, _Task(d))
+    ref.load_state_dict(model.state_dict(), strict=True)
+    model.eval()
+    ref.eval()
+    src, lengths, tgt = _batch(d)
+    with torch.no_grad():
+        assert_close(model(src, lengths, tgt)[0], ref(src, lengths, tgt)[0], 1e-5, "plain vs fairseq pre-norm")
+
+
+@pytest.mark.parametrize("name", ["msc", "plain"])
+def test_padding_is_respected(name):
+    """A sentence alone and the same sentence padded inside a batch give the same encoder states and
+    decoder outputs."""
+    model, d = build(extra=_flags(name))
+    model.eval()
+    src, lengths, tgt = _batch(d)
+    k = 1  # the left-padded sentence
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        out = model.decoder(tgt, enc)[0]
+        alone_src = src[k: k + 1, 3:]
+        enc1 = model.encoder(alone_src, lengths[k: k + 1])
+        out1 = model.decoder(tgt[k: k + 1], enc1)[0]
+    for key in ("msc_blocks", "msc_contexts"):
+        for a, b in zip(enc[key], enc1[key]):
+            assert_close(a[3:, k], b[:, 0], 1e-5, key)
+            assert a[:3, k].abs().max() == 0  # padded positions are zero
+    assert_close(out[k], out1[0], 1e-5, "decoder")
+
+
+def test_checkpoint_activations_same_outputs_and_gradients():
+    outs, grads = [], []
+    for extra in ([], ["--checkpoint-activations"]):
+        model, d = build(extra=BLOCKS + extra)
+        model.train()  # dropout is 0
+        src, lengths, tgt = _batch(d)
+        y = model(src, lengths, tgt)[0]
+        y.pow(2).mean().backward()
+        outs.append(y.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert_close(outs[0], outs[1], 1e-6, "outputs")
+    assert_close(grads[0], grads[1], 1e-6, "gradients")
+
+
+def test_small_depth_smoke_trains_without_nan():
+    """An 18-layer encoder (6 blocks x 3) at width 16 takes 20 Adam steps on a fixed batch: finite, loss falls.
+    (The 72-layer check on the real corpus is benchmarks/bench_msc_depth.py.)"""
+    model, d = build(extra=["--encoder-layers-per-block", "3", "--encoder-blocks", "6"])
+    assert len(model.encoder.layers) == 18
+    src, lengths, tgt = _batch(d, bsz=4)
+    target = torch.cat([tgt[:, 1:], tgt[:, :1]], 1)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        lp = model.get_normalized_probs(model(src, lengths, tgt), log_probs=True)
+        loss = -lp.gather(-1, target.unsqueeze(-1)).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.6 * losses[0] and min(losses[-5:]) < min(losses[:5])
+
+
+# ------------------------------------------------------------------------------------------------------
+# presets and parameter counts (Tables 1, 2, 4)
+# ------------------------------------------------------------------------------------------------------
+TABLE2 = [  # (arch, flags, paper count)
+    ("msc_transformer_iwslt_de_en", ["--no-contextual-collaboration", "--no-block-scale-collaboration"], 10.5e6),
+    ("msc_transformer_iwslt_de_en", [], 15.6e6),
+    ("msc_transformer_iwslt_de_en_36l", [], 43.3e6),
+    ("msc_transformer_iwslt_de_en_54l", [], 60.0e6),
+    ("msc_transformer_iwslt_de_en_72l", [], 76.6e6),
+]
+
+
+@pytest.mark.parametrize("arch,flags,paper", TABLE2)
+def test_parameter_counts_match_table2(arch, flags, paper):
+    model, _ = build(arch, ["--share-all-embeddings"] + flags, vocab=10000, tiny=False)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - paper) / paper < 0.02, (arch, flags, n, paper)
+    # exact count from the formula of the docstring (d=256, FFN 512, N=6 blocks of M layers)
+    d, f, V, N = 256, 512, 10000, 6
+    M = len(model.encoder.layers) // N
+    attn, ffn, ln = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
+    msc = not flags
+    enc_layer = attn + ffn + 2 * ln + (attn + 2 * d * d + d if msc else 0)
+    dec_layer = 2 * attn + ffn + 3 * ln + (attn + 2 * d * d + d if msc else 0)
+    expect = V * d + N * M * enc_layer + N * dec_layer + 2 * ln + (6 * d * d + 6 * d + (N - 1) * ln if msc else 0)
+    assert n == expect
+
+
+def test_presets():
+    cases = {
+        "msc_transformer_iwslt_de_en": (256, 512, 4, [1] * 6, 0.1, 0.1),
+        "msc_transformer_iwslt_de_en_36l": (256, 512, 4, [6] * 6, 0.3, 0.3),
+        "msc_transformer_iwslt_de_en_54l": (256, 512, 4, [9] * 6, 0.3, 0.3),
+        "msc_transformer_iwslt_de_en_72l": (256, 512, 4, [12] * 6, 0.3, 0.3),
+        "msc_transformer_wmt_en_de": (512, 2048, 8, [1] * 6, 0.1, 0.1),
+        "msc_transformer_wmt_en_de_36l": (512, 2048, 8, [6] * 6, 0.2, 0.1),
+        "msc_transformer_wmt_en_de_48l": (512, 2048, 8, [8] * 6, 0.2, 0.1),
+        "msc_transformer_wmt_en_de_big": (1024, 4096, 16, [1] * 6, 0.3, 0.1),
+        "msc_transformer_wmt_en_de_big_18l": (1024, 4096, 16, [3] * 6, 0.3, 0.1),
+    }
+    for arch, (dim, ffn, heads, ms, dp, adp) in cases.items():
+        a = argparse.Namespace()
+        ARCH_CONFIG_REGISTRY[arch](a)
+        assert (a.encoder_embed_dim, a.encoder_ffn_embed_dim, a.encoder_attention_heads) == (dim, ffn, heads), arch
+        assert a.msc_layers_per_block == ",".join(map(str, ms)), arch
+        assert (a.encoder_layers, a.decoder_layers, a.encoder_blocks) == (sum(ms), 6, 6), arch
+        assert (a.dropout, a.attention_dropout) == (dp, adp), arch
+        assert a.encoder_normalize_before and a.decoder_normalize_before
+    # a comma list sets N too, and the user's flags win over the preset
+    a = argparse.Namespace(encoder_layers_per_block="2,3")
+    ARCH_CONFIG_REGISTRY["msc_transformer_iwslt_de_en_72l"](a)
+    assert (a.encoder_blocks, a.encoder_layers, a.decoder_layers) == (2, 5, 2)
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--encoder-layers-per-block", "2,x"], "--encoder-layers-per-block"),
+    (["--encoder-layers-per-block", "2,0"], "at least one layer"),
+    (["--encoder-blocks", "3", "--encoder-layers-per-block", "1,2"], "--encoder-blocks is 3"),
+    (["--encoder-blocks", "3", "--decoder-layers", "4"], "--decoder-layers 4"),
+    (["--encoder-blocks", "3", "--encoder-layers", "5"], "--encoder-layers 5"),
+    (["--encoder-layerdrop", "0.1"], "--encoder-layerdrop"),
+])
+def test_bad_flags_raise_clear_errors(flags, needle):
+    with pytest.raises(FairseqExtError, match=needle.replace("-", r"\-")):
+        build(extra=flags)
+
+
+# ------------------------------------------------------------------------------------------------------
+# L2 criterion and per-layer gradient norms
+# ------------------------------------------------------------------------------------------------------
+def test_l2_criterion_adds_lambda_sample_size_w2_and_logs_it():
+    model, d = build(extra=BLOCKS)
+    src, lengths, tgt = _batch(d)
+    target = torch.cat([tgt[:, 1:], torch.full_like(tgt[:, :1], d.eos())], 1)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": tgt},
+              "target": target, "ntokens": int(target.ne(d.pad()).sum()), "id": torch.arange(3)}
+    task = argparse.Namespace(target_dictionary=d)
+    lam = 1e-3
+    crit = LabelSmoothedCrossEntropyL2Criterion(task, False, 0.1, l2_lambda=lam)
+    base = LabelSmoothedCrossEntropyL2Criterion(task, False, 0.1, l2_lambda=0.0)
+    ws = encoder_weight_matrices(model)
+    names = {id(p): n for n, p in model.encoder.named_parameters()}
+    assert ws and all(p.dim() == 2 for p in ws)
+    assert not any(names[id(p)].startswith("embed") for p in ws)
+    assert any("context_cell" in names[id(p)] for p in ws) and any("gate.W1" in names[id(p)] for p in ws)
+    sq = sum(float(p.detach().pow(2).sum()) for p in ws)
+    model.train()
+    loss, ss, log = crit(model, sample)
+    loss0, ss0, log0 = base(model, sample)
+    assert ss == ss0 == sample["ntokens"]
+    assert math.isclose(loss.item() - loss0.item(), lam * ss * sq, rel_tol=1e-4)
+    assert math.isclose(float(log["l2"]), lam * ss * sq, rel_tol=1e-5) and "l2" not in log0
+    assert float(log["loss"]) == float(log0["loss"])  # "loss" is logged without the penalty
+    # gradient of the penalty is 2 * lambda * sample_size * W on the encoder weight matrices only
+    model.zero_grad()
+    (loss - loss0.detach()).backward()
+    g_pen = {id(p): p.grad.clone() for p in model.parameters() if p.grad is not None}
+    model.zero_grad()
+    loss0b, _, _ = base(model, sample)
+    loss0b.backward()
+    for p in ws:
+        assert_close(g_pen[id(p)] - p.grad, 2 * lam * ss * p.detach(), 1e-5, "dL2/dW")
+    dec_w = model.decoder.layers[0].fc1.weight
+    assert_close(g_pen[id(dec_w)], dec_w.grad, 1e-6, "decoder untouched")
+    # no penalty in eval mode; metrics reduce l2 to lambda * ||W||^2 in bits
+    model.eval()
+    loss_e, _, log_e = crit(model, sample)
+    assert math.isclose(loss_e.item(), base(model, sample)[0].item(), rel_tol=1e-6)
+    with metrics.aggregate() as agg:
+        LabelSmoothedCrossEntropyL2Criterion.reduce_metrics([log, log])
+    assert math.isclose(agg.get_smoothed_values()["l2"], round(lam * sq / math.log(2), 5), abs_tol=1e-5)
+
+
+def test_layer_grad_norms_are_logged_at_optimizer_step():
+    model, d = build(extra=BLOCKS + ["--log-layer-grad-norms"])
+    model.train()
+    src, lengths, tgt = _batch(d)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(src, lengths, tgt)[0].pow(2).mean().backward()
+    expect = [math.sqrt(sum(float(p.grad.pow(2).sum()) for p in layer.parameters())) for layer in model.encoder.layers]
+    assert all(v > 0 for v in expect)
+    with metrics.aggregate(new_root=True) as agg:
+        opt.step()
+    vals = agg.get_smoothed_values()
+    got = [vals[f"gnorm_enc_L{i}"] for i in range(1, 7)]
+    assert got == [round(v, 4) for v in expect]
+    other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)  # another optimizer: not logged
+    other.param_groups[0]["params"][0].grad = torch.ones(2)
+    with metrics.aggregate(new_root=True) as agg2:
+        other.step()
+    assert not any(k.startswith("gnorm_enc") for k in agg2.get_smoothed_values())
+
+
+# ------------------------------------------------------------------------------------------------------
+# fairseq CLI through --user-dir: train (L2 criterion, grad norms, tensorboard), generate, interactive, plot
+# ------------------------------------------------------------------------------------------------------
+TINY_CLI = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "32",
+            "--decoder-ffn-embed-dim", "32", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+            "--encoder-blocks", "2", "--encoder-layers-per-block", "2", "--dropout", "0.1",
+            "--share-all-embeddings"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    data = str(tmp_path_factory.mktemp("msc_cli"))
+    create_dummy_data(data, num_examples=60, maxlen=10)
+    preprocess_translation_data(data, ["--joined-dictionary"])
+    proc = train_translation_model(
+        data, "msc_transformer_iwslt_de_en",
+        TINY_CLI + ["--criterion", "label_smoothed_cross_entropy_l2", "--label-smoothing", "0.1",
+                    "--l2-lambda", "1e-5", "--log-layer-grad-norms", "--max-epoch", "2",
+                    "--tensorboard-logdir", os.path.join(data, "tb")],
+        run_validation=True)
+    return data, proc.stdout + proc.stderr
+
+
+def _train_inner_records(log):
+    recs = []
+    for line in log.splitlines():
+        i = line.find("{")
+        if i >= 0 and '"gnorm_enc_L1"' in line:
+            recs.append(json.loads(line[i:]))
+    return recs
+
+
+def test_cli_train_logs_l2_and_layer_grad_norms(trained):
+    data, log = trained
+    recs = _train_inner_records(log)
+    assert recs, log[-3000:]
+    for r in recs:
+        layers = [float(r[f"gnorm_enc_L{i}"]) for i in range(1, 5)]
+        assert all(v > 0 and math.isfinite(v) for v in layers)
+        assert "l2" in r and float(r["l2"]) > 0 and "enc_wnorm" in r
+    events = [f for _, _, fs in os.walk(os.path.join(data, "tb")) for f in fs if "tfevents" in f]
+    assert events, "no tensorboard event file"
+    ck = torch.load(os.path.join(data, "checkpoint_last.pt"), weights_only=False)
+    a = ck["args"] if ck.get("args") is not None else ck["cfg"]["model"]
+    assert a.arch == "msc_transformer_iwslt_de_en" and a.msc_layers_per_block == "2,2"
+
+
+def test_cli_generate_and_interactive(trained):
+    data, _ = trained
+    gen, inter = generate_main(data)
+    hyps = hypotheses(gen)
+    assert len(hyps) == 60 and all(math.isfinite(s) for s, _ in hyps.values())
+    assert "A-0" in gen  # --print-alignment works (attention is returned)
+    assert "H-0" in inter
+    # beam search with the full incremental machinery: beam 1 == greedy, same translation for sentence 0
+    gen1, _ = generate_main(data, ["--beam", "1"], interactive=False)
+    assert len(hypotheses(gen1)) == 60
+
+
+def test_plot_grad_norms_command(trained, tmp_path):
+    data, log = trained
+    log_file = tmp_path / "train.log"
+    log_file.write_text(log)
+    out = tmp_path / "gnorm.png"
+    proc = run_module("fairseq_ext.scripts.msc_plot_grad_norms", [str(log_file), "--out", str(out)])
+    assert out.exists() and out.stat().st_size > 1000
+    assert "4 encoder layers" in proc.stdout
+    bad = run_module("fairseq_ext.scripts.msc_plot_grad_norms", [str(tmp_path / "missing.log"), "--out", str(out)],
+                     check=False)
+    assert bad.returncode != 0 and "missing.log" in bad.stderr and "Traceback" not in bad.stderr
