@@ -390,3 +390,132 @@ def test_misuse_fails_clearly():
         SATModel.build_model(_args("sat_transformer", 0), _Task())
     with pytest.raises(FairseqExtError, match="--prefix-size"):
         _gen([m], beam_size=2).generate([m], _sample(src, src_lengths), prefix_tokens=src[:, :1])
+
+
+# --------------------------------------------------------------------------------------------------------
+# command line: fairseq-train / -generate / -interactive with --user-dir, init, hub, analysis, recipes
+
+TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
+        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
+        "--decoder-attention-heads", "2", "--share-all-embeddings", "--dropout", "0.0"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A fairseq transformer teacher, and a SAT K=2 student initialised from it, trained with --eval-bleu."""
+    d = str(tmp_path_factory.mktemp("sat_cli"))
+    create_dummy_data(d, num_examples=80, maxlen=12)
+    preprocess_translation_data(d, ["--joined-dictionary"])
+    teacher_dir, sat_dir = os.path.join(d, "teacher"), os.path.join(d, "sat2")
+    train_translation_model(d, "transformer", TINY + ["--save-dir", teacher_dir])
+    teacher = os.path.join(teacher_dir, "checkpoint_last.pt")
+    proc = train_translation_model(d, "sat_transformer", TINY + [
+        "--save-dir", sat_dir, "--sat-group-size", "2", "--sat-init-from", teacher,
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+        "--eval-bleu", "--eval-bleu-args", '{"beam": 2, "max_len_b": 6}',
+    ], task="translation_sat")
+    return {"data": d, "teacher": teacher, "sat": os.path.join(sat_dir, "checkpoint_last.pt"),
+            "train_log": proc.stdout + proc.stderr}
+
+
+def test_cli_train_init_from_transformer_and_eval_bleu(trained):
+    log = trained["train_log"]
+    assert re.search(r"sat_transformer: initialised \d+ tensors from .*teacher/checkpoint_last.pt", log)
+    assert re.search(r'"valid_bleu": "[0-9.]+"', log), log[-2000:]  # --eval-bleu decoded with our generator
+
+    from fairseq import checkpoint_utils
+
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([trained["sat"]])
+    assert models[0].sat_group_size == 2 and type(models[0]) is SATModel
+    teacher = checkpoint_utils.load_checkpoint_to_cpu(trained["teacher"])["model"]
+    # rebuild the untrained student: encoder, embeddings and softmax come from the teacher, decoder is new
+    for with_decoder in (False, True):
+        cfg.model.sat_init_decoder = with_decoder
+        fresh = task.build_model(cfg.model).state_dict()
+        for k, v in fresh.items():
+            if k.endswith(("_float_tensor", "version")) or k not in teacher:
+                continue
+            copied = (k.startswith("encoder.") or k in ("decoder.embed_tokens.weight",
+                                                        "decoder.output_projection.weight") or with_decoder)
+            assert torch.equal(v, teacher[k]) == copied, (k, with_decoder)
+    # a checkpoint is rebuilt without reading --sat-init-from again (the file may be gone)
+    cfg.model.sat_init_from = "/nonexistent/teacher.pt"
+    task.build_model(cfg.model, from_checkpoint=True)
+    with pytest.raises(FairseqExtError, match="--sat-init-from /nonexistent/teacher.pt"):
+        task.build_model(cfg.model)
+    # unsupported generation options fail clearly
+    for flag, value in (("sampling", True), ("prefix_size", 1), ("diverse_beam_groups", 2)):
+        gen_args = argparse.Namespace(beam=2, **{flag: value})
+        with pytest.raises(FairseqExtError, match="not supported by --task translation_sat"):
+            task.build_generator(models, gen_args)
+
+
+def test_cli_generate_and_interactive(trained):
+    d = trained["data"]
+    gen, inter = generate_main(d, path=trained["sat"], task="translation_sat")  # beam 3, --print-alignment
+    hyps = hypotheses(gen)
+    assert len(hyps) == 80
+    assert len(re.findall(r"^A-\d+\t", gen, re.M)) == 80  # alignments
+    assert re.search(r"^H-0\t", inter, re.M)
+    greedy = run_cli("generate", [
+        d, "--task", "translation_sat", "--path", trained["sat"], "--user-dir", os.path.join(ROOT, "fairseq_ext"),
+        "--beam", "1", "--batch-size", "16", "--gen-subset", "valid", "--max-len-b", "5", "--num-workers", "0"]).stdout
+    assert len(hypotheses(greedy)) == 80
+    # the in-process generator on the same checkpoint gives the same greedy translations
+    from fairseq import checkpoint_utils
+
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([trained["sat"]])
+    task.load_dataset("valid")
+    gen_obj = task.build_generator(models, argparse.Namespace(beam=1, max_len_b=5))
+    first = task.dataset("valid")[0]
+    sample = task.dataset("valid").collater([first])
+    hyp = gen_obj.generate(models, sample)[0][0]
+    text = task.target_dictionary.string(hyp["tokens"])
+    assert hypotheses(greedy)[first["id"]][1] == text
+    assert gen_obj.decoder_calls == math.ceil(len(hyp["tokens"]) / 2)
+
+    # a K=2 model decoded by fairseq's own generator (--task translation) fails with one clear line
+    bad = run_cli("generate", [
+        d, "--task", "translation", "--path", trained["sat"], "--user-dir", os.path.join(ROOT, "fairseq_ext"),
+        "--beam", "2", "--gen-subset", "valid", "--num-workers", "0"], check=False)
+    assert bad.returncode != 0
+    assert "--task translation_sat" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_hub_interface(trained):
+    d = trained["data"]
+    hub = SATModel.from_pretrained(os.path.dirname(trained["sat"]), checkpoint_file="checkpoint_last.pt",
+                                   data_name_or_path=d)
+    out = hub.translate("h e l l o", beam=2, max_len_b=6)
+    assert isinstance(out, str) and len(out.split()) >= 1
+    greedy = hub.generate(hub.encode("h e l l o"), beam=1, max_len_b=6)[0]
+    assert greedy["tokens"][-1].item() == hub.task.target_dictionary.eos()
+
+
+def test_position_wise_cross_entropy_command(trained, tmp_path):
+    png = str(tmp_path / "pce.png")
+    proc = run_module("fairseq_ext.scripts.sat_position_ce", [
+        trained["data"], "--path", trained["teacher"], "--path", trained["sat"], "--split", "valid",
+        "--max-position", "8", "--png", png])
+    out = proc.stdout
+    assert "position\ttransformer\tsat_transformer K=2" in out
+    rows = [l.split("\t") for l in out.splitlines() if re.match(r"^\d+\t", l)]
+    assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 5
+    assert all(float(c) > 0 for r in rows for c in r[1:] if c != "-")
+    assert re.search(r"by position in group \(sat_transformer K=2\): 1:[0-9.]+  2:[0-9.]+", out)
+    assert os.path.getsize(png) > 1000 and open(png, "rb").read(4) == b"\x89PNG"
+    # the table is the mean token NLL: for position 1 it equals the NLL of the first target word computed here
+    from fairseq import checkpoint_utils
+
+    from fairseq_ext.scripts.sat_position_ce import position_ce
+
+    K, _, ce, counts, gce = position_ce(trained["sat"], trained["data"], "valid", max_position=8)
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task([trained["sat"]])
+    task.load_dataset("valid")
+    ds = task.dataset("valid")
+    batch = ds.collater([ds[i] for i in range(len(ds))])
+    with torch.no_grad():
+        lp = models[0].get_normalized_probs(models[0](**batch["net_input"]), log_probs=True)
+    nll0 = -lp[:, 0].gather(-1, batch["target"][:, :1]).mean().item()
+    assert K == 2 and abs(ce[0] - nll0) < 1e-4 and counts[0] == len(ds)
+    assert abs(float(rows[0][2]) - ce[0]) < 1e-4
