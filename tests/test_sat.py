@@ -519,3 +519,45 @@ def test_position_wise_cross_entropy_command(trained, tmp_path):
     nll0 = -lp[:, 0].gather(-1, batch["target"][:, :1]).mean().item()
     assert K == 2 and abs(ce[0] - nll0) < 1e-4 and counts[0] == len(ds)
     assert abs(float(rows[0][2]) - ce[0]) < 1e-4
+
+
+def test_distill_turns_teacher_output_into_a_corpus(tmp_path):
+    from fairseq_ext.scripts.sat_distill import distill
+
+    (tmp_path / "src.de").write_text("a b\nc d e\nf\n")
+    (tmp_path / "gen.txt").write_text(
+        "S-2\tf\nH-2\t-0.5\tF1\nD-2\t-0.5\tF1\nH-2\t-0.9\tF2\n"  # the first H line of a sentence is the best
+        "S-0\ta b\nH-0\t-0.1\tA B\n"  # sentence 1 was skipped by the teacher
+    )
+    kept, dropped = distill(str(tmp_path / "gen.txt"), str(tmp_path / "src.de"), str(tmp_path / "kd" / "train"),
+                            "de", "en")
+    assert (kept, dropped) == (2, 1)
+    assert (tmp_path / "kd" / "train.de").read_text() == "a b\nf\n"
+    assert (tmp_path / "kd" / "train.en").read_text() == "A B\nF1\n"
+    with pytest.raises(FairseqExtError, match="--source"):
+        distill(str(tmp_path / "gen.txt"), str(tmp_path / "missing.de"), str(tmp_path / "x"), "de", "en")
+
+
+@pytest.mark.parametrize("recipe", ["wmt14_en_de", "iwslt14_de_en"])
+def test_recipe_dry_run(recipe, tmp_path):
+    import subprocess
+
+    proc = subprocess.run(["bash", os.path.join(ROOT, "recipes", "sat", f"{recipe}.sh"), "--dry-run",
+                           "--workdir", str(tmp_path / "w")], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    cmds = [l for l in proc.stdout.splitlines() if l.startswith("+ ")]
+    assert not os.path.exists(tmp_path / "w")  # nothing ran
+    kinds = [c.split()[1] if c.split()[1] != "python" else c.split()[3] for c in cmds]
+    # teacher, average, KD decode + corpus + binarise, 3 x (student, average), 4 models x 2 beams x 2 runs
+    assert kinds[:5] == ["fairseq-train", "fairseq_ext.average_checkpoints", "fairseq-generate",
+                         "fairseq_ext.scripts.sat_distill", "fairseq-preprocess"]
+    assert kinds[5:11] == ["fairseq-train", "fairseq_ext.average_checkpoints"] * 3
+    assert kinds[11:] == ["fairseq-generate"] * 16
+    assert "--task translation --arch transformer_" in cmds[0]
+    assert "--gen-subset train" in cmds[2] and "--srcdict" in cmds[4]
+    for K, c in zip((2, 4, 6), cmds[5:11:2]):
+        assert f"--task translation_sat --arch sat_transformer_" in c and f"--sat-group-size {K} " in c
+        assert "--sat-init-from" in c and "data-bin-kd" in c
+    evals = cmds[11:]
+    assert sum("--beam 4 " in c for c in evals) == 8 and sum("--beam 1 " in c for c in evals) == 8
+    assert sum("--batch-size 1 " in c for c in evals) == 8
