@@ -316,3 +316,41 @@ def test_dataset_collates_bert_input_in_batch_order(tiny_bert):
     assert b["net_input"]["bert_input"].tolist() == [[2, 6, 3], [2, 7, 3], [2, 5, 3]]
     with pytest.raises(FairseqExtError, match="bert_prepare"):
         LanguagePairBertDataset(base, ListDataset(berts[:2]), bert_pad=0)
+
+
+# ------------------------------------------------------------------------------------------------ recipes
+
+@pytest.mark.parametrize("recipe,arch,bert,gen", [
+    ("iwslt14_de_en", "bert_jam_iwslt_de_en", "bert-base-german-dbmdz-uncased", {"beam": 5, "lenpen": 1.0}),
+    ("wmt14_en_de", "bert_jam_wmt_en_de_big", "bert-large-uncased", {"beam": 4, "lenpen": 0.6}),
+])
+def test_recipe_dry_run_parses_with_fairseq(recipe, arch, bert, gen):
+    import shlex
+    import subprocess
+
+    from fairseq import options
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run(["bash", os.path.join(ROOT, "recipes", "bert_jam", f"{recipe}.sh"), "--dry-run"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    lines = [shlex.split(x) for x in out.splitlines() if x.strip()]
+    assert [x[0] if x[0] != "python" else x[2] for x in lines] == [
+        "fairseq_ext.scripts.bert_prepare", "fairseq-train", "fairseq-train", "fairseq-train",
+        "fairseq_ext.average_checkpoints", "fairseq-generate"]
+    phases = []
+    for argv in lines[1:4]:
+        a = options.parse_args_and_arch(options.get_training_parser(), argv[1:])
+        assert (a.arch, a.task, a.bert_model_name, a.lr, a.warmup_updates, a.label_smoothing, a.dropout,
+                a.max_tokens, a.bert_dropnet, a.keep_last_epochs) == (arch, "translation_bert", bert, [0.0005], 4000,
+                                                                      0.1, 0.3, 4000, 0.5, 10)
+        assert a.adam_betas == "(0.9,0.98)" and a.share_all_embeddings and a.ddp_backend == "legacy_ddp"
+        phases.append((a.bert_jam_phase, a.max_epoch, a.restore_file, a.reset_optimizer, a.patience))
+    save = lines[1][lines[1].index("--save-dir") + 1].rsplit("/", 1)[0]
+    assert phases == [(1, 40, "checkpoint_last.pt", False, -1),
+                      (2, 50, f"{save}/phase1/checkpoint_last.pt", True, -1),
+                      (3, 60, f"{save}/phase2/checkpoint_last.pt", True, 5)]
+    assert lines[4][lines[4].index("--num-epoch-checkpoints") + 1] == "10"
+    g = options.parse_args_and_arch(options.get_generation_parser(), lines[5][1:])
+    assert (g.beam, g.lenpen, g.path, g.task) == (gen["beam"], gen["lenpen"], f"{save}/phase3/checkpoint_avg10.pt",
+                                                  "translation_bert")

@@ -3,8 +3,10 @@
     python -m fairseq_ext.scripts.bert_prepare DATA_BIN --source-lang en --target-lang de \\
         --bert-model-name /path/to/bert [--splits train valid test]
 
-For every split it reads fairseq's binarised source (``{split}.{src}-{tgt}.{src}``), turns each sentence back
-into plain text (BPE removed, detokenised: see ``--bert-remove-bpe`` / ``--bert-detokenize``), tokenises it
+For every split it reads the source text given to fairseq-preprocess (``--trainpref``/``--validpref``/
+``--testpref``, the same values: ``{pref}.{src}``; recommended) or else fairseq's binarised source
+(``{split}.{src}-{tgt}.{src}``; words outside the dictionary then reach BERT as its unknown token), turns each
+sentence into plain text (BPE removed, detokenised: see ``--bert-remove-bpe`` / ``--bert-detokenize``), tokenises it
 with the BERT tokenizer and its special tokens, truncates it to the model's limit (with a warning) and writes
 the ids to ``{split}.{src}-{tgt}.{src}.bert.{bin,idx}``, plus ``bert_input.{src}.json`` (tokenizer, pad id,
 settings). The model derives exactly the same ids from ``src_tokens`` when a batch has none (one-line
@@ -31,6 +33,9 @@ def get_parser():
     p.add_argument("--source-lang", "-s", required=True)
     p.add_argument("--target-lang", "-t", required=True)
     p.add_argument("--bert-model-name", required=True, help="local BERT-architecture model directory")
+    for name in ("train", "valid", "test"):
+        p.add_argument(f"--{name}pref", default=None, metavar="FP",
+                       help=f"the {name} text prefix given to fairseq-preprocess (comma-separated for several)")
     p.add_argument("--splits", nargs="+", default=None,
                    help="splits to prepare (default: every train*/valid*/test* split found)")
     p.add_argument("--bert-remove-bpe", default="auto", choices=["auto", "sentencepiece", "subword_nmt", "none"])
@@ -65,6 +70,11 @@ def main(argv=None):
     src_dict = Dictionary.load(dict_path)
     builder = BertInputBuilder(args.bert_model_name, src_dict, args.bert_remove_bpe, args.bert_detokenize,
                                args.bert_max_length)
+    text_files = {}
+    for name in ("train", "valid", "test"):
+        prefs = getattr(args, f"{name}pref")
+        for k, pref in enumerate(prefs.split(",") if prefs else []):
+            text_files[name + (str(k) if k > 0 else "")] = f"{pref}.{src}"
     splits = args.splits or find_splits(args.data, src, tgt)
     if not splits:
         raise FairseqExtError(f"no binarised {src}-{tgt} source data in {args.data}")
@@ -73,18 +83,34 @@ def main(argv=None):
         source = data_utils.load_indexed_dataset(prefix[: -len(".bert")], src_dict, None)
         if source is None:
             raise FairseqExtError(f"--splits {split}: {prefix[:-len('.bert')]}.{{bin,idx}} not found in {args.data}")
+        if split in text_files:
+            path = text_files[split]
+            if not os.path.isfile(path):
+                raise FairseqExtError(f"--{split.rstrip('0123456789')}pref: {path} not found")
+            with open(path, encoding="utf-8") as f:
+                lines = [line.rstrip("\n") for line in f]
+            if len(lines) != len(source):
+                raise FairseqExtError(f"{path} has {len(lines)} lines but the binarised {split} source has "
+                                      f"{len(source)}: give the prefix that fairseq-preprocess binarised")
+            texts_of = lambda a, b: [builder.plain_text(x) for x in lines[a:b]]  # noqa: E731
+        else:
+            n_unk = sum(int(source[i].eq(src_dict.unk()).sum()) for i in range(len(source)))
+            if n_unk:
+                logger.warning(f"{split}: {n_unk} source tokens are {src_dict.unk_word} in the binarised data and "
+                               f"reach BERT as {builder.tokenizer.unk_token}; pass --{split.rstrip('0123456789')}"
+                               "pref (the text given to fairseq-preprocess) to give BERT the full sentence")
+            texts_of = lambda a, b: [builder.text_from_source(source[i]) for i in range(a, b)]  # noqa: E731
         builder_out = indexed_dataset.make_builder(prefix + ".bin", impl="mmap", vocab_size=len(builder.tokenizer))
         n, n_tok = 0, 0
         for start in range(0, len(source), args.batch_size):
-            rows = [source[i] for i in range(start, min(start + args.batch_size, len(source)))]
-            texts = [builder.text_from_source(r) for r in rows]
+            texts = texts_of(start, min(start + args.batch_size, len(source)))
             for ids in builder.encode(texts):
                 builder_out.add_item(torch.IntTensor(ids))
                 n += 1
                 n_tok += len(ids)
         builder_out.finalize(prefix + ".idx")
         logger.info(f"{split}: {n} sentences, {n_tok} BERT tokens -> {prefix}.{{bin,idx}} "
-                    f"(e.g. '{builder.text_from_source(source[0])}')")
+                    f"(from {text_files.get(split, 'the binarised source')}; e.g. '{texts_of(0, 1)[0]}')")
     meta = builder.meta()
     meta["n_truncated"] = builder.n_truncated
     with open(os.path.join(args.data, META_NAME.format(lang=src)), "w") as f:

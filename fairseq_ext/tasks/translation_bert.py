@@ -179,8 +179,11 @@ class BertInputBuilder:
         unk = self.tokenizer.unk_token or "<unk>"
         if self.bpe == "sentencepiece":  # an unknown piece: a word of its own
             unk = "\u2581" + unk
-        line = self.src_dict.string(tokens, unk_string=unk)
-        line = remove_bpe(line, self.bpe)
+        return self.plain_text(self.src_dict.string(tokens, unk_string=unk))
+
+    def plain_text(self, line):
+        """A line of source pieces (as given to fairseq-preprocess) -> the plain sentence BERT reads."""
+        line = remove_bpe(line.strip(), self.bpe)
         if self.detokenize == "moses":
             line = moses_detokenize(line)
         return line
