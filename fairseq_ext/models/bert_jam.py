@@ -276,11 +276,16 @@ class BertJamDecoderLayer(nn.Module, _FFNMixin):
         return 0.5, 0.5  # Eq. 10
 
     def forward(self, x, encoder_out, encoder_padding_mask, bert_layers, bert_padding_mask,
-                incremental_state=None, self_padding_mask=None, causal=True, need_attn=False):
+                incremental_state=None, self_padding_mask=None, causal=True, need_attn=False,
+                bert_order: Optional[Tensor] = None):
         residual = x
         if self.normalize_before:
             x = self.joint_attn_layer_norm(x)
-        B = None if self.bert_attn.has_secondary_cache(incremental_state) else self.bert_composition(bert_layers)
+        B = None
+        if not self.bert_attn.has_secondary_cache(incremental_state):
+            B = self.bert_composition(bert_layers)  # B^{D,i}, on the encoder's batch (composition is per token)
+            if bert_order is not None:
+                B = B.index_select(1, bert_order)
         x_bert, _ = self.bert_attn(x, B, bert_padding_mask, self_padding_mask, causal, incremental_state)
         x_enc, attn = self.encoder_attn(x, encoder_out, encoder_padding_mask, self_padding_mask, causal,
                                         incremental_state, need_weights=need_attn)
@@ -334,9 +339,11 @@ class BertJamEncoder(TransformerEncoderBase):
         self._bert_dims = (bert.config.hidden_size, bert.config.num_hidden_layers)
         super().__init__(cfg, dictionary, embed_tokens)
         self.bert = bert
-        self.bert_pad_id = bert.config.pad_token_id if bert.config.pad_token_id is not None else 0
         self.bert_trainable = True
         self._bert_input_builder = None
+        self.bert_pad_id = bert.config.pad_token_id
+        if self.bert_pad_id is None:  # the config does not say: ask the tokenizer
+            self.bert_pad_id = self.bert_input_builder().pad_id
 
     def build_encoder_layer(self, cfg):
         return BertJamEncoderLayer(cfg, *self._bert_dims, self.args.bert_composition)
@@ -390,13 +397,18 @@ class BertJamEncoder(TransformerEncoderBase):
             "fc_results": [],
             "src_tokens": [],
             "src_lengths": [src_lengths],
-            "bert_out": [bert_layers],  # T_bert x B x C_bert x L
-            "bert_padding_mask": [bert_padding_mask],  # B x T_bert
+            "bert_out": [bert_layers],  # T_bert x B x C_bert x L, never reordered: see bert_order
+            "bert_order": [],  # empty = batch order; else the rows of bert_out that form the current batch
+            "bert_padding_mask": [bert_padding_mask],  # B x T_bert, reordered
         }
 
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order):
+        """Reorders E^L and the masks; BERT's L layers are not copied (beam search reorders at every step):
+        only the index ``bert_order`` is composed, and each layer selects its (much smaller) composite."""
         new = super().reorder_encoder_out(encoder_out, new_order)
-        new["bert_out"] = [t.index_select(1, new_order) for t in encoder_out["bert_out"]]
+        new["bert_out"] = encoder_out["bert_out"]
+        old = encoder_out["bert_order"]
+        new["bert_order"] = [old[0].index_select(0, new_order) if len(old) else new_order]
         new["bert_padding_mask"] = [t.index_select(0, new_order) for t in encoder_out["bert_padding_mask"]]
         return new
 
@@ -419,6 +431,7 @@ class BertJamDecoder(TransformerDecoderBase):
         enc_mask = encoder_out["encoder_padding_mask"][0] if len(encoder_out["encoder_padding_mask"]) else None
         bert_layers = encoder_out["bert_out"][0]
         bert_mask = encoder_out["bert_padding_mask"][0]
+        bert_order = encoder_out["bert_order"][0] if len(encoder_out.get("bert_order", [])) else None
 
         positions = None
         if self.embed_positions is not None:
@@ -446,7 +459,7 @@ class BertJamDecoder(TransformerDecoderBase):
         for idx, layer in enumerate(self.layers):
             x, layer_attn = layer(x, enc, enc_mask, bert_layers, bert_mask, incremental_state,
                                   self_padding_mask, causal=not full_context_alignment,
-                                  need_attn=idx == alignment_layer)
+                                  need_attn=idx == alignment_layer, bert_order=bert_order)
             inner_states.append(x)
             if layer_attn is not None and idx == alignment_layer:
                 attn = layer_attn.float().to(x)  # B x H x T x S
