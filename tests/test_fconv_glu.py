@@ -226,6 +226,10 @@ def test_inference_weight_cache_follows_parameter_updates():
     ours.load_state_dict(ref.state_dict())  # load_state_dict also invalidates (copy_ bumps the version)
     with torch.no_grad():
         assert_close(ours(src, lengths, prev)[0], ref(src, lengths, prev)[0], 1e-5, "after load")
+    assert "_wn_cache" in ours.decoder.fc3.__dict__
+    ours.train()
+    ours(src, lengths, prev)  # a training forward frees the inference copies
+    assert not any("_wn_cache" in m.__dict__ for m in ours.modules())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -364,8 +368,6 @@ def test_max_positions_message(data_dir, tmp_path):
     proc = run_cli("train", _train_args(d, ["--max-target-positions", "5"]), check=False)
     assert proc.returncode != 0
     assert "skip this example with --skip-invalid-size-inputs-valid-test" in proc.stdout + proc.stderr
-    train_translation_model(d, ARCH, ["--max-target-positions", "5", "--skip-invalid-size-inputs-valid-test"])
-    assert os.path.isfile(os.path.join(d, "checkpoint_last.pt"))
 
 
 def _train_args(d, extra):
@@ -393,9 +395,19 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
     assert len(lines(gen_ours)) == 4 * 2 * len(_sources(gen_ours))
     assert lines(gen_ours) == lines(gen_ref)  # same hypotheses, scores, positional scores, alignments
 
-    proc = run_module("fairseq_ext.models.fconv_glu", ["--convert-from-fconv", ours_ckpt, ours_ckpt + "2"],
-                      check=False)
-    assert proc.returncode == 1 and "not a fairseq fconv checkpoint" in proc.stderr
+
+
+def test_converter_refuses_what_is_not_an_fconv_checkpoint(tmp_path, capsys):
+    from fairseq_ext.models.fconv_glu import main
+
+    missing = str(tmp_path / "missing.pt")
+    assert main(["--convert-from-fconv", missing, str(tmp_path / "out.pt")]) == 1
+    assert f"checkpoint {missing} does not exist" in capsys.readouterr().err
+    not_fconv = str(tmp_path / "transformer.pt")
+    torch.save({"model": {}, "args": argparse.Namespace(arch="transformer"), "cfg": None}, not_fconv)
+    assert main(["--convert-from-fconv", not_fconv, str(tmp_path / "out.pt")]) == 1
+    assert "not a fairseq fconv checkpoint (architecture 'transformer')" in capsys.readouterr().err
+    assert not (tmp_path / "out.pt").exists()
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ needed (g and v change each step), but in generation fairseq's ``fconv`` recompu
 including the one of the |V| x d output projection, at every decoding step. :func:`normed_weight` instead
 caches w while ``torch.is_grad_enabled()`` is False and the module is in eval mode, keyed by the version
 counters and storage of g and v, so any in-place update (optimizer step, ``load_state_dict``) or ``.to()``
-invalidates it.
+invalidates it; the first forward in training mode frees it again (no stale copy held during training).
 """
 
 import math
@@ -37,6 +37,8 @@ def normed_weight(module, transform=None, tag="w"):
     """``module.weight`` (= g * v / ||v||); cached across calls in eval mode without autograd.
     ``transform`` (e.g. the linearised layout of a causal conv) is applied before caching under ``tag``."""
     if module.training or torch.is_grad_enabled():
+        if "_wn_cache" in module.__dict__:  # back to training: free the copy kept for inference
+            del module.__dict__["_wn_cache"]
         w = module.weight
         return w if transform is None else transform(w)
     cache = module.__dict__.setdefault("_wn_cache", {})
