@@ -7,6 +7,7 @@
 #                live in examples/quickstart/<arch>.sh
 #   --minutes    wall-clock training budget (default 4)
 #   --workdir    where data, checkpoints and outputs go (default work/quickstart); a re-run reuses them
+#   --smoke      a fast check that every step runs (20 updates, outputs cut at 16 tokens); used by the tests
 #
 # Steps: unpack the bundled corpus, learn a joint 8k sentencepiece BPE, fairseq-preprocess, fairseq-train
 # with --user-dir fairseq_ext (progress bar), average the last checkpoints, fairseq-generate the test set and
@@ -19,13 +20,15 @@ ARCH=transformer
 MINUTES=4
 WORKDIR=""
 DIRECTION=""
+SMOKE=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift 2 ;;
     --minutes) MINUTES="$2"; shift 2 ;;
     --workdir) WORKDIR="$2"; shift 2 ;;
     --direction) DIRECTION="$2"; shift 2 ;;
-    -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+    --smoke) SMOKE=1; shift ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
     *) echo "quickstart.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -53,6 +56,10 @@ AVERAGE_LAST=3
 # shellcheck source=/dev/null
 source "$ARCH_FILE"
 if [ -n "$DIRECTION" ]; then SRC="${DIRECTION%-*}"; TGT="${DIRECTION#*-}"; fi
+if [ "$SMOKE" = 1 ]; then
+  TRAIN_ARGS+=(--max-update 20)
+  GEN_ARGS+=(--max-len-a 0 --max-len-b 16)
+fi
 
 WORKDIR="${WORKDIR:-$ROOT/work/quickstart}"
 DATA="$WORKDIR/data"

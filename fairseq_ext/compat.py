@@ -11,6 +11,9 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
 * wraps ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` so that a refused, truncated or corrupted file
   raises :class:`UnsafeCheckpointError` / :class:`CorruptCheckpointError`: one line naming the file, and
   from the command line only that line is printed (no traceback from deep inside torch);
+* restores fairseq 0.12.2's batching: fairseq main (and so fairseq-fixed) drops the last batch when its size is
+  not a multiple of ``--required-batch-size-multiple`` (8), so ``fairseq-generate`` silently skipped up to 7
+  sentences of a test set (and validation and training lost them too); every sentence is batched again;
 * makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic: a kill
   during the copy leaves the previous file intact (fairseq already writes the first file atomically).
 """
@@ -26,6 +29,7 @@ import sys
 import typing
 import zipfile
 
+import numpy as np
 import torch
 
 
@@ -103,28 +107,35 @@ SAFE_GLOBALS = None  # filled by install()
 _installed = False
 
 
-def _describe_unpickling_error(exc):
-    """The first line of torch's long weights-only message that names the refused global."""
-    for line in str(exc).splitlines():
-        line = line.strip()
-        if "Unsupported global" in line or "Unsupported operand" in line:
-            return line.rstrip(".")
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+def _refused_global(exc):
+    """The name of the object torch's weights-only unpickler refused (e.g. ``posix.system``), or None."""
+    import re
+
+    m = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    return m.group(1) if m else None
+
+
+def _short_reason(exc):
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:  # torch's own detail line, not its boilerplate
+        if line.startswith(("Unsupported", "invalid load key", "PytorchStreamReader", "unexpected EOF")):
+            return line
+    return lines[0] if lines else type(exc).__name__
 
 
 def _check_readable(path, exc):
     """Map errors of torch.load to FairseqExtError subclasses; re-raise anything else."""
-    if isinstance(exc, pickle.UnpicklingError) and "Weights only load failed" in str(exc):
+    if isinstance(exc, pickle.UnpicklingError) and _refused_global(exc):
         return UnsafeCheckpointError(
-            f"refusing to load checkpoint {path}: it pickles an object that fairseq checkpoints never hold "
-            f"({_describe_unpickling_error(exc)}); only load checkpoints from a source you trust, and if this "
-            "one is yours, report which object fairseq_ext.compat.SAFE_GLOBALS is missing"
+            f"refusing to load checkpoint {path}: it pickles {_refused_global(exc)}, which fairseq checkpoints "
+            "never hold and which could run code; only load checkpoints from a source you trust (if this one "
+            "is a genuine fairseq checkpoint, report the object so it can join fairseq_ext.compat.SAFE_GLOBALS)"
         )
     if isinstance(exc, (EOFError, zipfile.BadZipFile, pickle.UnpicklingError)) or (
         isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive", "unexpected EOF", "storage has wrong"))
     ):
         return CorruptCheckpointError(
-            f"checkpoint {path} is truncated or corrupted ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+            f"checkpoint {path} is truncated or corrupted, or not a checkpoint ({_short_reason(exc)}); "
             "use another checkpoint (e.g. checkpoint_best.pt or an epoch checkpoint) or retrain"
         )
     return None
@@ -207,6 +218,27 @@ def _make_checkpoint_copies_atomic():
     PathManager.copy = staticmethod(copy)
 
 
+def _keep_last_batch(data_utils):
+    original = data_utils.batch_by_size
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def batch_by_size(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
+                      required_batch_size_multiple=1, fixed_shapes=None):
+        batches = original(indices, num_tokens_fn, num_tokens_vec, max_tokens, max_sentences,
+                           required_batch_size_multiple, fixed_shapes)
+        if fixed_shapes is None:
+            indices = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64)
+            covered = sum(len(b) for b in batches)
+            if covered < len(indices):  # batches are consecutive slices: the dropped tail is the rest
+                batches = list(batches) + [indices[covered:]]
+        return batches
+
+    batch_by_size._fairseq_ext_wrapped = True
+    batch_by_size.__doc__ = original.__doc__
+    data_utils.batch_by_size = batch_by_size
+
+
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if isinstance(exc, FairseqExtError):
@@ -227,7 +259,10 @@ def install():
     torch.serialization.add_safe_globals(SAFE_GLOBALS)
     from fairseq import checkpoint_utils
 
+    from fairseq.data import data_utils
+
     _wrap_load_checkpoint_to_cpu(checkpoint_utils)
+    _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
     if not getattr(sys.excepthook, "_fairseq_ext_hook", False):
         sys.excepthook = _excepthook(sys.excepthook)

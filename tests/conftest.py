@@ -6,3 +6,24 @@ os.environ.setdefault("MKL_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+TINY_TRANSFORMER = [
+    "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
+    "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
+    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_transformer_dir(tmp_path_factory):
+    """Dummy data binarised, and fairseq's own ``transformer`` trained for 2 epochs through
+    ``fairseq-train --user-dir fairseq_ext`` (checkpoint1.pt, checkpoint2.pt, checkpoint_last.pt)."""
+    from tests.helpers import create_dummy_data, preprocess_translation_data, train_translation_model
+
+    d = str(tmp_path_factory.mktemp("tiny_transformer"))
+    create_dummy_data(d)
+    preprocess_translation_data(d)
+    train_translation_model(d, "transformer_iwslt_de_en", TINY_TRANSFORMER, max_epoch=2)
+    return d

@@ -26,11 +26,11 @@ def create_dummy_data(data_dir, num_examples=100, maxlen=20, seed=0, splits=("tr
                 ft.write(" ".join(chr(ord(c) + 1) for c in src) + "\n")
 
 
-def run_cli(tool, args, input=None, check=True, timeout=900, env=None):
+def run_cli(tool, args, input=None, check=True, timeout=900, env=None, cwd=ROOT):
     """Run ``fairseq-<tool>`` (train, generate, interactive, validate, preprocess) in a fresh process."""
     cmd = [sys.executable, "-m", f"fairseq_cli.{tool}"] + [str(a) for a in args]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"fairseq-{tool} failed with exit {proc.returncode}\ncmd: {' '.join(cmd)}\n"

@@ -42,7 +42,6 @@ def learn_bpe(out, vocab_size, seed):
         vocab_size=vocab_size,
         model_type="bpe",
         character_coverage=1.0,
-        random_seed=seed,
         num_threads=2,
         # fairseq adds its own <s>, <pad>, </s>, <unk>: keep sentencepiece's ids out of its way
         bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0,

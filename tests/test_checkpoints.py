@@ -1,0 +1,198 @@
+"""Safe checkpoint loading under torch >= 2.6 (weights_only=True with an allow-list), refusal of malicious,
+truncated and corrupted files with one clear line, atomic checkpoint copies, and checkpoint averaging."""
+
+import argparse
+import collections
+import os
+import shutil
+
+import pytest
+import torch
+
+from fairseq_ext import average_checkpoints as avg
+from fairseq_ext import compat
+from tests.helpers import USER_DIR, run_cli, run_module
+
+
+class _Exploit:
+    """Pickles as a call of os.system: what a malicious checkpoint does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _generate_args(data_dir, path):
+    return [data_dir, "--task", "translation", "--path", path, "--user-dir", USER_DIR, "--gen-subset", "valid",
+            "--beam", "2", "--batch-size", "64", "--num-workers", "0", "--source-lang", "in", "--target-lang", "out"]
+
+
+def _assert_one_line_error(proc, *fragments):
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+
+
+def test_torch_load_keeps_weights_only_after_importing_the_plugin(tmp_path):
+    import pickle
+
+    import fairseq_ext  # noqa: F401
+
+    assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
+    marker = tmp_path / "pwned"
+    torch.save({"x": _Exploit(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        torch.load(tmp_path / "evil.pt")
+    assert not marker.exists()
+
+
+def test_real_checkpoint_loads_with_weights_only(tiny_transformer_dir):
+    from fairseq import checkpoint_utils
+
+    path = os.path.join(tiny_transformer_dir, "checkpoint_last.pt")
+    state = torch.load(path, weights_only=True)  # the allow-list alone makes this work
+    assert isinstance(state["cfg"]["model"], argparse.Namespace)  # fairseq stores legacy model args so
+    state = checkpoint_utils.load_checkpoint_to_cpu(path)
+    assert "model" in state and state["cfg"]["model"].arch == "transformer_iwslt_de_en"
+
+
+def test_malicious_checkpoint_is_refused_in_process(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "args": _Exploit(marker)}, path)
+    from fairseq import checkpoint_utils
+
+    with pytest.raises(compat.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(path))
+    with pytest.raises(compat.UnsafeCheckpointError):
+        compat.load_checkpoint_file(str(path))
+    assert not marker.exists()
+
+
+def test_malicious_checkpoint_is_refused_by_fairseq_generate(tiny_transformer_dir, tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    state = torch.load(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), weights_only=True)
+    state["extra_state"]["payload"] = _Exploit(marker)
+    torch.save(state, path)
+    proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
+    _assert_one_line_error(proc, "refusing to load checkpoint", str(path))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_damaged_checkpoint_gives_one_clear_line(tiny_transformer_dir, tmp_path, damage):
+    path = tmp_path / f"{damage}.pt"
+    data = open(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), "rb").read()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
+    with pytest.raises(compat.CorruptCheckpointError, match="is truncated or corrupted, or not a checkpoint"):
+        compat.load_checkpoint_file(str(path))
+    if damage == "truncated":
+        proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
+        _assert_one_line_error(proc, "is truncated or corrupted", str(path))
+
+
+def test_checkpoint_copies_are_atomic(tmp_path, monkeypatch):
+    from fairseq.file_io import PathManager
+
+    src, dst = tmp_path / "checkpoint5.pt", tmp_path / "checkpoint_last.pt"
+    src.write_bytes(b"new" * 1000)
+    dst.write_bytes(b"old")
+
+    def dying_copyfile(a, b):  # the process dies half way through the copy
+        open(b, "wb").write(b"ne")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "copyfile", dying_copyfile)
+    with pytest.raises(KeyboardInterrupt):
+        PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["checkpoint5.pt", "checkpoint_last.pt"]
+    monkeypatch.undo()
+    assert PathManager.copy(str(src), str(dst), overwrite=True)
+    assert dst.read_bytes() == src.read_bytes()
+
+
+# ---- averaging ----
+
+def _fake_checkpoints(directory, names, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    states = []
+    for i, name in enumerate(names):
+        model = collections.OrderedDict(
+            w=torch.randn(7, 5, generator=g),
+            h=torch.randn(3, generator=g).half(),
+            steps=torch.tensor([i * 3 + 1, 2 * i]),
+        )
+        state = {"model": model, "args": argparse.Namespace(arch="x", i=i), "extra_state": {"epoch": i},
+                 "optimizer_history": []}
+        torch.save(state, os.path.join(directory, name))
+        states.append(state)
+    return states
+
+
+def _expected_mean(states):
+    mean = collections.OrderedDict()
+    for k, ref in states[0]["model"].items():
+        if ref.is_floating_point():
+            mean[k] = (sum(s["model"][k].double() for s in states) / len(states)).to(ref.dtype)
+        else:
+            mean[k] = sum(s["model"][k] for s in states) // len(states)
+    return mean
+
+
+def test_average_is_the_exact_elementwise_mean(tmp_path):
+    names = ["checkpoint1.pt", "checkpoint2.pt", "checkpoint3.pt", "checkpoint10.pt"]
+    states = dict(zip(names, _fake_checkpoints(tmp_path, names)))
+    out = tmp_path / "avg.pt"
+    assert avg.main(["--inputs", str(tmp_path), "--num-epoch-checkpoints", "3", "--output", str(out)]) == 0
+    got = torch.load(out, weights_only=True)
+    chosen = [states["checkpoint10.pt"], states["checkpoint3.pt"], states["checkpoint2.pt"]]  # newest 3 epochs
+    expected = _expected_mean(chosen)
+    for k in expected:
+        assert got["model"][k].dtype == expected[k].dtype and torch.equal(got["model"][k], expected[k]), k
+    assert got["args"].i == states["checkpoint10.pt"]["args"].i  # the rest comes from the newest
+
+
+def test_average_by_update_and_upper_bound_through_the_cli(tmp_path):
+    names = ["checkpoint_1_100.pt", "checkpoint_1_200.pt", "checkpoint_2_300.pt", "checkpoint_2_400.pt",
+             "checkpoint2.pt"]
+    states = dict(zip(names, _fake_checkpoints(tmp_path, names, seed=1)))
+    out = tmp_path / "avg.pt"
+    run_module("fairseq_ext.average_checkpoints", ["--inputs", tmp_path, "--num-update-checkpoints", "2",
+                                                   "--checkpoint-upper-bound", "300", "--output", out])
+    got = torch.load(out, weights_only=True)["model"]
+    expected = _expected_mean([states["checkpoint_2_300.pt"], states["checkpoint_1_200.pt"]])
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_average_errors_are_clear(tmp_path, capsys):
+    _fake_checkpoints(tmp_path, ["checkpoint1.pt"])
+    out = tmp_path / "avg.pt"
+    assert avg.main(["--inputs", str(tmp_path), "--num-epoch-checkpoints", "2", "--output", str(out)]) == 1
+    assert "found 1 epoch checkpoints" in capsys.readouterr().err and not out.exists()
+    torch.save({"model": {"other": torch.zeros(1)}}, tmp_path / "b.pt")
+    assert avg.main(["--inputs", str(tmp_path / "checkpoint1.pt"), str(tmp_path / "b.pt"), "--output", str(out)]) == 1
+    assert "average checkpoints of one model only" in capsys.readouterr().err and not out.exists()
+
+
+def test_batching_keeps_every_sentence():
+    # fairseq main drops a last batch whose size is not a multiple of --required-batch-size-multiple
+    import numpy as np
+
+    import fairseq_ext  # noqa: F401
+    from fairseq.data import data_utils
+
+    for sizes, max_tokens, max_sentences in (([21] * 100, None, 64), (list(range(1, 78)), 300, None)):
+        idx = np.arange(len(sizes), dtype=np.int64)
+        for vec in (np.array(sizes, dtype=np.int64), None):
+            batches = data_utils.batch_by_size(idx, num_tokens_fn=lambda i: sizes[i], num_tokens_vec=vec,
+                                               max_tokens=max_tokens, max_sentences=max_sentences,
+                                               required_batch_size_multiple=8)
+            assert np.array_equal(np.concatenate(batches), idx)
+            if max_sentences == 64:
+                assert [len(b) for b in batches] == [64, 32, 4]
