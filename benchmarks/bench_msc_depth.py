@@ -11,10 +11,10 @@ Part ``depth``: the 72-layer small MSC (msc_transformer_iwslt_de_en_72l, dropout
 lambda 1e-5) trains for ``--updates`` (50) updates with fairseq-train on the bundled De-En corpus (10k joint
 sentencepiece BPE), without and with ``--checkpoint-activations``; checks every logged loss is finite and
 the loss falls, and reports the seconds per update and the peak resident memory of each run (ru_maxrss of
-the training process).
+the training process). The two runs go in parallel (they share the machine, so their times are comparable).
 
     python benchmarks/bench_msc_depth.py [--part speed|depth|all] [--workdir DIR] [--updates 50]
-        [--max-tokens 512] [--reps 3] [--device cpu|cuda]
+        [--max-tokens 256] [--reps 3] [--device cpu|cuda]
 
 Timings on a shared machine are noisy: compare the ratios measured in one run, not absolute numbers.
 """
@@ -152,7 +152,8 @@ def _prepare_data(workdir):
 def part_depth(args):
     bin_dir = _prepare_data(args.workdir)
     res = {}
-    for ckpt in (False, True):
+    procs = {}
+    for ckpt in (False, True):  # both runs at once (one process each, so peak RSS is per run)
         name = "checkpoint-activations" if ckpt else "plain-activations"
         save = os.path.join(args.workdir, f"ckpt72-{name}")
         cmd = [sys.executable, "-c", PEAK, bin_dir, "--user-dir", os.path.join(ROOT, "fairseq_ext"),
@@ -168,15 +169,17 @@ def part_depth(args):
             cmd.append("--cpu")
         if ckpt:
             cmd.append("--checkpoint-activations")
-        t = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        wall = time.perf_counter() - t
-        log = proc.stdout + proc.stderr
-        os.makedirs(args.workdir, exist_ok=True)
-        with open(os.path.join(args.workdir, f"train72-{name}.log"), "w") as f:
-            f.write(log)
-        if proc.returncode != 0:
+        log_path = os.path.join(args.workdir, f"train72-{name}.log")
+        f = open(log_path, "w")  # streamed, so a long run can be followed with tail -f
+        procs[name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                        env=dict(os.environ, PYTHONUNBUFFERED="1")), f, log_path, time.perf_counter())
+    for name, (proc, f, log_path, t0) in procs.items():
+        rc = proc.wait()
+        wall = time.perf_counter() - t0
+        f.close()
+        with open(log_path) as fh:
+            log = fh.read()
+        if rc != 0:
             print(log[-3000:])
             raise SystemExit(f"72-layer training ({name}) failed")
         recs = []
@@ -186,15 +189,14 @@ def part_depth(args):
                 recs.append(json.loads(line[i:]))
         losses = [float(r["loss"]) for r in recs]
         peak = float([ln.split()[1] for ln in log.splitlines() if ln.startswith("PEAK_RSS_MB")][-1])
-        times = [float(r["train_wall"]) for r in recs if "train_wall" in r]
-        per_update = (times[-1] - times[0]) / max(1, len(times) - 1) if len(times) > 1 else wall / args.updates
+        per_update = statistics.median(float(r["train_wall"]) for r in recs)  # train_inner: one update each
         k = max(1, min(10, len(losses) // 5))
         first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-        g_first = [float(recs[-1][f"gnorm_enc_L{i:02d}"]) for i in (1, 36, 72)]
+        g_last = [float(recs[-1][f"gnorm_enc_L{i:02d}"]) for i in (1, 36, 72)]
         res[name] = dict(updates=len(losses), finite=all(math.isfinite(v) for v in losses),
                          loss_first=round(first, 3), loss_last=round(last, 3), falling=last < first,
                          s_per_update=round(per_update, 2), peak_rss_mb=peak, wall_s=round(wall, 1),
-                         last_gnorm_L1_L36_L72=g_first)
+                         last_gnorm_L1_L36_L72=g_last)
         print(name, json.dumps(res[name]), flush=True)
         assert res[name]["finite"] and res[name]["falling"] and res[name]["updates"] == args.updates, res[name]
     a, b = res["plain-activations"], res["checkpoint-activations"]
@@ -213,7 +215,7 @@ def main():
     p.add_argument("--part", choices=["speed", "depth", "all"], default="all")
     p.add_argument("--workdir", default=os.path.join(ROOT, "work", "bench-msc"))
     p.add_argument("--updates", type=int, default=50)
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--device", default="cpu")

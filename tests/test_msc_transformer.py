@@ -604,6 +604,8 @@ def test_recipe_rejects_depth_not_in_the_paper(tmp_path):
 # degradation experiment (Figure 2): commands, validation, and training-set BLEU on the trained fixture
 # ------------------------------------------------------------------------------------------------------
 def test_degradation_dry_run_and_errors(capsys):
+    import shlex
+
     from fairseq import options
 
     from fairseq_ext.scripts import msc_degradation
@@ -614,10 +616,9 @@ def test_degradation_dry_run_and_errors(capsys):
     assert len(lines) == 4  # plain6, msc6, plain12, msc12
     parsed = []
     for line in lines:
-        argv = line.split(" ", 3)[3]
-        import shlex
-
-        args = options.parse_args_and_arch(options.get_training_parser(), shlex.split(argv))
+        argv = shlex.split(line)
+        assert argv[1:3] == ["-m", "fairseq_cli.train"]
+        args = options.parse_args_and_arch(options.get_training_parser(), argv[3:])
         parsed.append(args)
     assert [a.encoder_layers for a in parsed] == [6, 6, 12, 12]
     assert [a.no_contextual_collaboration for a in parsed] == [True, False, True, False]

@@ -56,6 +56,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fairseq import utils
+from fairseq.distributed import fsdp_wrap
 from fairseq.logging import metrics
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -264,7 +265,8 @@ class MSCEncoder(TransformerEncoderBase):
         layer = MSCEncoderLayer(cfg, self.msc.encoder_context_attention, self.msc.gated)
         if cfg.checkpoint_activations:
             layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
-        return layer
+        # as fairseq: with --ddp-backend fully_sharded each (checkpointed) layer is its own FSDP unit
+        return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations else cfg.min_params_to_wrap)
 
     def _block_norm(self, n, x):
         return self.layer_norm(x) if n == self.msc.blocks - 1 else self.block_layer_norms[n](x)
@@ -336,7 +338,8 @@ class MSCDecoder(TransformerDecoderBase):
         layer = MSCDecoderLayer(cfg, self.msc.contextual, self.msc.gated)
         if cfg.checkpoint_activations:
             layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
-        return layer
+        # as fairseq: with --ddp-backend fully_sharded each (checkpointed) layer is its own FSDP unit
+        return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations else cfg.min_params_to_wrap)
 
     def reorder_incremental_state_scripting(self, incremental_state, new_order: Tensor):
         """Reorder every cache for *any* permutation of the batch. fairseq's MultiheadAttention leaves the

@@ -27,6 +27,7 @@ import math
 import os
 import random
 import re
+import shlex
 import subprocess
 import sys
 
@@ -147,7 +148,7 @@ def main(argv=None):
                 save = os.path.join(args.workdir, f"{variant}{depth}")
                 cmd = train_command(args, variant, depth, save)
                 if args.dry_run:
-                    print(" ".join(cmd))
+                    print(shlex.join(cmd))
                     continue
                 os.makedirs(save, exist_ok=True)
                 proc = subprocess.run(cmd, capture_output=True, text=True,
