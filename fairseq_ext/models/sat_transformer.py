@@ -106,13 +106,12 @@ class SATDecoder(TransformerDecoderBase):
         return 0 if prev_key is None else prev_key.size(2)
 
     def _new_positions(self, prev_output_tokens, incremental_state, n_cached):
-        """Positional embeddings of the new positions n_cached..T-1, computed from the full prefix (each one
-        as fairseq computes the last position of a prefix of that length; the prefix has no padding)."""
-        slen = prev_output_tokens.size(1)
-        return torch.cat([
-            self.embed_positions(prev_output_tokens[:, : t + 1], incremental_state=incremental_state)
-            for t in range(n_cached, slen)
-        ], dim=1)
+        """Positional embeddings of the new positions n_cached..T-1, computed from the full prefix (which has
+        no padding in incremental decoding): one new position is embedded as fairseq does it; several are
+        cut from the embeddings of the whole prefix (one call instead of one per position)."""
+        if prev_output_tokens.size(1) - n_cached == 1:
+            return self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
+        return self.embed_positions(prev_output_tokens)[:, n_cached:]
 
     def extract_features_scriptable(
         self,
