@@ -63,9 +63,9 @@ def main():
     batches = []
     for b in range(4):
         sl = slice(b * a.batch, (b + 1) * a.batch)
-        src = data_utils.collate_tokens([src_dict.encode_line(s, add_if_not_exist=False) for s in en[sl]], src_dict.pad(),
+        src = data_utils.collate_tokens([src_dict.encode_line(s, add_if_not_exist=False).long() for s in en[sl]], src_dict.pad(),
                                         left_pad=True)
-        tgt_rows = [tgt_dict.encode_line(s, add_if_not_exist=False) for s in de[sl]]
+        tgt_rows = [tgt_dict.encode_line(s, add_if_not_exist=False).long() for s in de[sl]]
         tgt = data_utils.collate_tokens(tgt_rows, tgt_dict.pad())
         prev = data_utils.collate_tokens(tgt_rows, tgt_dict.pad(), move_eos_to_beginning=True)
         bert = data_utils.collate_tokens([torch.tensor(x) for x in builder.encode(en[sl])], builder.pad_id)
@@ -77,10 +77,9 @@ def main():
             str(4 * a.dim), "--decoder-ffn-embed-dim", str(4 * a.dim), "--encoder-layers", str(a.layers),
             "--decoder-layers", str(a.layers), "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
             "--dropout", "0.1"]
-    parser = options.get_training_parser()
-
     def args_for(arch, task, extra=()):
-        return options.parse_args_and_arch(parser, ["/nonexistent", "--task", task, "--arch", arch, *dims, *extra])
+        return options.parse_args_and_arch(options.get_training_parser(),
+                                           ["/nonexistent", "--task", task, "--arch", arch, *dims, *extra])
 
     targs = args_for("transformer", "translation")
     tasks = {"transformer": TranslationTask(targs, src_dict, tgt_dict)}
