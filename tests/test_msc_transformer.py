@@ -494,8 +494,10 @@ def test_cli_train_logs_l2_and_layer_grad_norms(trained):
         layers = [float(r[f"gnorm_enc_L{i}"]) for i in range(1, 5)]
         assert all(v > 0 and math.isfinite(v) for v in layers)
         assert "l2" in r and float(r["l2"]) > 0 and "enc_wnorm" in r
-    events = [f for _, _, fs in os.walk(os.path.join(data, "tb")) for f in fs if "tfevents" in f]
+    events = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(data, "tb")) for f in fs if "tfevents" in f]
     assert events, "no tensorboard event file"
+    blob = b"".join(open(f, "rb").read() for f in events)
+    assert b"gnorm_enc_L1" in blob and b"gnorm_enc_L4" in blob and b"l2" in blob  # scalar tags in tensorboard
     ck = torch.load(os.path.join(data, "checkpoint_last.pt"), weights_only=False)
     a = ck["args"] if ck.get("args") is not None else ck["cfg"]["model"]
     assert a.arch == "msc_transformer_iwslt_de_en" and a.msc_layers_per_block == "2,2"

@@ -23,6 +23,7 @@ Writes ``DIR/degradation.json`` and prints a table.
 
 import argparse
 import json
+import logging
 import math
 import os
 import random
@@ -161,7 +162,7 @@ def main(argv=None):
                 train_bleu, n = sample_bleu(ck, args, "train", args.sample, args.seed)
                 valid_bleu, _ = sample_bleu(ck, args, "valid", args.sample, args.seed)
                 params = None
-                m = re.search(r"num\. model params: ([\d,]+)", proc.stdout + proc.stderr)
+                m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", proc.stdout + proc.stderr)
                 if m:
                     params = int(m.group(1).replace(",", ""))
                 row = dict(variant=variant, depth=depth, train_bleu=round(train_bleu, 2), valid_bleu=round(valid_bleu, 2),
@@ -179,6 +180,7 @@ def main(argv=None):
             print(f"| {r['variant']} | {r['depth']} | {r['params']} | {r['train_loss']} | {r['train_bleu']} | "
                   f"{r['valid_bleu']} |")
         if args.plot:
+            logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq configures verbose logging
             import matplotlib
 
             matplotlib.use("Agg")

@@ -13,6 +13,7 @@ layer and their ratio (Fig. 5's point: MSC keeps the bottom layers' gradients al
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -81,6 +82,7 @@ def main(argv=None):
         labels = args.labels.split(",") if args.labels else [os.path.basename(p) for p in args.logs]
         if len(labels) != len(runs):
             raise FairseqExtError(f"msc_plot_grad_norms: --labels has {len(labels)} names for {len(runs)} logs")
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq configures verbose logging
         import matplotlib
 
         matplotlib.use("Agg")
