@@ -11,4 +11,4 @@ TRAIN_ARGS=(
   --optimizer adam --adam-betas '(0.9, 0.98)' --lr 0.002 --lr-scheduler inverse_sqrt --warmup-updates 400
   --clip-norm 0.0 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4096
 )
-GEN_ARGS=(--beam 5 --lenpen 1.0)
+GEN_ARGS=(--beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)  # bounded output: a briefly trained model may not stop
