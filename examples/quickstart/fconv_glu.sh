@@ -11,5 +11,5 @@ TRAIN_ARGS=(
   --optimizer nag --lr 0.25 --clip-norm 0.1 --lr-scheduler fixed
   --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens 4000
 )
-GEN_ARGS=(--beam 5 --lenpen 1.0)
+GEN_ARGS=(--beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)  # outputs at most 1.2 x source + 10 tokens
 AVERAGE_LAST=3
