@@ -3,10 +3,10 @@
     python benchmarks/bench_sat.py [--workdir work/bench-sat] [--minutes 8] [--ks 2 4 6] [--sentences 200]
                                    [--threads 1] [--batch 64]
 
-1. Models (skipped when their checkpoints exist): ``examples/quickstart.sh --arch sat_transformer`` trains
-   a fairseq ``transformer`` teacher for --minutes, distils the training set with it (beam 4), and trains one
-   SAT student of the same size (3+3 layers, d 256, FFN 1024) per K for --minutes, initialised from the
-   teacher. K=1 is the teacher itself (the SAT with K=1 is the Transformer).
+1. Models (each step skipped when its output exists): a fairseq ``transformer`` teacher trained for
+   --minutes, sequence-level distillation of the training set with it (--kd-beam; 0 = none), and one SAT
+   student of the same size (3+3 layers, d 256, FFN 1024, as the quickstart) per K, trained for --minutes
+   and initialised from the teacher. K=1 is the teacher itself (the SAT with K=1 is the Transformer).
 2. Contenders, all in this one process, measured interleaved (each sentence / batch is decoded by every
    contender in turn, in a rotating order) so that the load of the machine affects all alike:
    fairseq's ``SequenceGenerator`` on the teacher, our generator with K=1 on the teacher, and our generator
@@ -46,27 +46,84 @@ def parse_args():
                    help="test sentences of the throughput runs and BLEU (default: the whole test set, 1000)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one sentence on one core)")
     p.add_argument("--no-throughput", action="store_true", help="only the batch-1 latencies")
+    p.add_argument("--kd-beam", type=int, default=4,
+                   help="beam of the teacher's distillation decode of the training set (0: no distillation)")
+    p.add_argument("--fixed-length", type=int, default=0,
+                   help="decode exactly N words + EOS with every contender (--min-len N --max-len-b N "
+                        "--max-len-a 0): speed at equal output length, independent of how well (or badly) "
+                        "the models are trained; BLEU is then meaningless")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args()
 
 
+# same sizes and optimisation as examples/quickstart/transformer.sh and sat_transformer.sh
+MODEL_ARGS = ["--encoder-layers", "3", "--decoder-layers", "3", "--encoder-embed-dim", "256",
+              "--decoder-embed-dim", "256", "--encoder-ffn-embed-dim", "1024", "--decoder-ffn-embed-dim", "1024",
+              "--encoder-attention-heads", "4", "--decoder-attention-heads", "4", "--share-all-embeddings",
+              "--dropout", "0.2", "--attention-dropout", "0.1"]
+OPT_ARGS = ["--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", "0.002", "--lr-scheduler", "inverse_sqrt",
+            "--warmup-updates", "400", "--clip-norm", "0.0", "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--max-tokens", "4096", "--num-workers", "0", "--seed", "1",
+            "--no-save-optimizer-state", "--log-format", "simple", "--log-interval", "100", "--no-epoch-checkpoints"]
+
+
+def sh(cmd, stdout=None):
+    print("+ " + " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT, stdout=stdout)
+
+
 def ensure_models(args):
-    teacher = os.path.join(args.workdir, "checkpoints", "sat-teacher-de-en", "checkpoint_avg.pt")
+    """Bundled corpus (joint 8k BPE), a transformer teacher, optional sequence-level KD, and one SAT student
+    per K initialised from the teacher; every step is skipped when its output exists."""
+    W, py = args.workdir, sys.executable
+    data, bin_ = os.path.join(W, "data"), os.path.join(W, "bin-de-en")
+    sh([py, "-m", "fairseq_ext.scripts.prepare_bundled_corpus", "--out", data, "--vocab-size", "8000"])
+    if not os.path.isfile(os.path.join(bin_, ".done")):
+        sh([py, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
+            "--trainpref", f"{data}/train.spm", "--validpref", f"{data}/valid.spm", "--testpref", f"{data}/test.spm",
+            "--destdir", bin_, "--joined-dictionary", "--workers", "2"], stdout=subprocess.DEVNULL)
+        open(os.path.join(bin_, ".done"), "w").close()
+    hours = str(args.minutes / 60)
+    user_dir = os.path.join(ROOT, "fairseq_ext")
+    teacher_dir = os.path.join(W, "checkpoints", "teacher")
+    teacher = os.path.join(teacher_dir, "checkpoint_last.pt")
+    if not os.path.isfile(os.path.join(teacher_dir, ".done")):
+        sh([py, "-m", "fairseq_cli.train", bin_, "--user-dir", user_dir, "--task", "translation", "--arch",
+            "transformer", "--save-dir", teacher_dir, "--stop-time-hours", hours] + MODEL_ARGS + OPT_ARGS)
+        open(os.path.join(teacher_dir, ".done"), "w").close()
+    student_bin = bin_
+    if args.kd_beam > 0:
+        kd, kd_bin = os.path.join(W, "kd"), os.path.join(W, "bin-de-en-kd")
+        if not os.path.isfile(os.path.join(kd_bin, ".done")):
+            os.makedirs(kd, exist_ok=True)
+            with open(os.path.join(kd, "generate-train.txt"), "w") as f:
+                sh([py, "-m", "fairseq_cli.generate", bin_, "--user-dir", user_dir, "--task", "translation_sat",
+                    "--path", teacher, "--gen-subset", "train", "--beam", str(args.kd_beam), "--max-len-a", "1.2",
+                    "--max-len-b", "10", "--batch-size", "256", "--num-workers", "0"], stdout=f)
+            sh([py, "-m", "fairseq_ext.scripts.sat_distill", "--generate-output", f"{kd}/generate-train.txt",
+                "--source", f"{data}/train.spm.de", "--out-prefix", f"{kd}/train", "--source-lang", "de",
+                "--target-lang", "en"])
+            sh([py, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en", "--trainpref",
+                f"{kd}/train", "--validpref", f"{data}/valid.spm", "--testpref", f"{data}/test.spm", "--srcdict",
+                f"{bin_}/dict.de.txt", "--tgtdict", f"{bin_}/dict.en.txt", "--destdir", kd_bin, "--workers", "2"],
+               stdout=subprocess.DEVNULL)
+            open(os.path.join(kd_bin, ".done"), "w").close()
+        student_bin = kd_bin
     students = {}
     for K in args.ks:
-        ckpt = os.path.join(args.workdir, "checkpoints", f"sat_transformer-de-en-k{K}", "checkpoint_avg.pt")
-        if not os.path.isfile(ckpt):
-            print(f"== training the teacher (if needed) and the K={K} student, {args.minutes} min each", flush=True)
-            env = dict(os.environ, SAT_K=str(K), SAT_BEAM="4")
-            subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--arch", "sat_transformer",
-                            "--minutes", str(args.minutes), "--workdir", args.workdir], check=True, env=env)
-        students[K] = ckpt
-    return teacher, students
+        d = os.path.join(W, "checkpoints", f"sat-k{K}")
+        if not os.path.isfile(os.path.join(d, ".done")):
+            sh([py, "-m", "fairseq_cli.train", student_bin, "--user-dir", user_dir, "--task", "translation_sat",
+                "--arch", "sat_transformer", "--sat-group-size", K, "--sat-init-from", teacher, "--save-dir", d,
+                "--stop-time-hours", hours] + MODEL_ARGS + OPT_ARGS)
+            open(os.path.join(d, ".done"), "w").close()
+        students[K] = os.path.join(d, "checkpoint_last.pt")
+    return teacher, students, bin_
 
 
 def main():
     args = parse_args()
-    teacher_path, student_paths = ensure_models(args)
+    teacher_path, student_paths, bin_ = ensure_models(args)
 
     import torch
     import sacrebleu
@@ -78,8 +135,7 @@ def main():
 
     from fairseq_ext.generators.sat_generator import SATSequenceGenerator
 
-    bin_kd = os.path.join(args.workdir, "bin-de-en-kd")
-    overrides = {"data": bin_kd}
+    overrides = {"data": bin_}
 
     def load(path):
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([path], arg_overrides=overrides)
@@ -96,6 +152,8 @@ def main():
         refs = [l.rstrip("\n") for l in f]
 
     gen_opts = dict(max_len_a=1.2, max_len_b=10)
+    if args.fixed_length:
+        gen_opts = dict(max_len_a=0, max_len_b=args.fixed_length, min_len=args.fixed_length)
 
     def contenders(beam):
         c = [("fairseq SequenceGenerator (transformer)", 1, teacher,
@@ -172,7 +230,8 @@ def main():
     print(f"SAT decoding benchmark: bundled de-en test set, batch 1 on {min(args.sentences, len(ds))} sentences, "
           f"batch {args.batch} and BLEU on {min(args.throughput_sentences, len(ds))}, torch threads {args.threads}, "
           f"load average {load_before[0]:.1f} before / {load_after[0]:.1f} after on {os.cpu_count()} cores "
-          f"(shared machine: compare ratios)")
+          f"(shared machine: compare ratios)"
+          + (f"; every output forced to {args.fixed_length} words + EOS" if args.fixed_length else ""))
     print("parameters: " + ", ".join(f"{k} {v / 1e6:.2f}M" for k, v in n_params.items()))
     cols = ["greedy_b1_ms", "beam4_b1_ms"] + ([] if args.no_throughput else
                                              [f"greedy_b{args.batch}_sent_per_s", f"beam4_b{args.batch}_sent_per_s",
