@@ -21,9 +21,13 @@ import sys
 
 import torch
 
-logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO,
-                    stream=sys.stdout)
 logger = logging.getLogger("fairseq_ext.scripts.bert_prepare")
+if not logger.handlers:  # progress on stdout whatever fairseq configured for the root logger
+    _handler = logging.StreamHandler(sys.stdout)
+    _handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)s | %(name)s | %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 def get_parser():
