@@ -7,7 +7,8 @@
 #                live in examples/quickstart/<arch>.sh
 #   --minutes    wall-clock training budget (default 4)
 #   --workdir    where data, checkpoints and outputs go (default work/quickstart); a re-run reuses them
-#   --smoke      a fast check that every step runs (20 updates, outputs cut at 16 tokens); used by the tests
+#   --smoke      a fast check that every step runs (20 updates, the first 100 test sentences, outputs cut at
+#                16 tokens); used by the tests
 #
 # Steps: unpack the bundled corpus, learn a joint 8k sentencepiece BPE, fairseq-preprocess, fairseq-train
 # with --user-dir fairseq_ext (progress bar), average the last checkpoints, fairseq-generate the test set and
@@ -28,7 +29,7 @@ while [ $# -gt 0 ]; do
     --workdir) WORKDIR="$2"; shift 2 ;;
     --direction) DIRECTION="$2"; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
     *) echo "quickstart.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -56,7 +57,9 @@ AVERAGE_LAST=3
 # shellcheck source=/dev/null
 source "$ARCH_FILE"
 if [ -n "$DIRECTION" ]; then SRC="${DIRECTION%-*}"; TGT="${DIRECTION#*-}"; fi
+PREP_ARGS=()
 if [ "$SMOKE" = 1 ]; then
+  PREP_ARGS+=(--max-test-lines 100)
   TRAIN_ARGS+=(--max-update 20)
   GEN_ARGS+=(--max-len-a 0 --max-len-b 16)
 fi
@@ -71,7 +74,7 @@ step() { printf '\n==> [quickstart %s %s-%s] %s\n' "$ARCH" "$SRC" "$TGT" "$*"; }
 SECONDS=0
 
 step "1/6 corpus and joint sentencepiece BPE (8k) in $DATA"
-python -m fairseq_ext.scripts.prepare_bundled_corpus --out "$DATA" --vocab-size 8000
+python -m fairseq_ext.scripts.prepare_bundled_corpus --out "$DATA" --vocab-size 8000 "${PREP_ARGS[@]}"
 
 if [ ! -f "$BIN/.done" ]; then
   step "2/6 fairseq-preprocess into $BIN"

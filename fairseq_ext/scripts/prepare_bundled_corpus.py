@@ -18,19 +18,23 @@ SPLITS = ("train", "valid", "test")
 LANGS = ("de", "en")
 
 
-def unpack(corpus, out):
+def unpack(corpus, out, max_test_lines=None):
     for split in SPLITS:
         for lang in LANGS:
             src, dst = os.path.join(corpus, f"{split}.{lang}.gz"), os.path.join(out, f"{split}.{lang}")
             if not os.path.isfile(src):
                 raise SystemExit(f"prepare_bundled_corpus: {src} is missing; is --corpus the bundled data/ding-de-en?")
             if not os.path.exists(dst):
-                with gzip.open(src, "rt", encoding="utf-8") as f, open(dst + ".tmp", "w", encoding="utf-8") as g:
-                    g.write(f.read())
+                with gzip.open(src, "rt", encoding="utf-8") as f:
+                    lines = f.readlines()
+                if split == "test" and max_test_lines:
+                    lines = lines[:max_test_lines]
+                with open(dst + ".tmp", "w", encoding="utf-8") as g:
+                    g.writelines(lines)
                 os.replace(dst + ".tmp", dst)
 
 
-def learn_bpe(out, vocab_size, seed):
+def learn_bpe(out, vocab_size):
     import sentencepiece as spm
 
     prefix = os.path.join(out, "spm")
@@ -74,11 +78,11 @@ def main(argv=None):
     p.add_argument("--corpus", default=DEFAULT_CORPUS, help="directory of {split}.{de,en}.gz (default: bundled)")
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=int, default=8000)
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-test-lines", type=int, help="keep only the first N test sentences (quick checks)")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    unpack(args.corpus, args.out)
-    model = learn_bpe(args.out, args.vocab_size, args.seed)
+    unpack(args.corpus, args.out, args.max_test_lines)
+    model = learn_bpe(args.out, args.vocab_size)
     encode(args.out, model)
     print(f"prepared {args.out} (joint sentencepiece BPE {args.vocab_size})")
 
