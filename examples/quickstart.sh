@@ -5,7 +5,7 @@
 #
 #   --arch       transformer (fairseq's own, default) or a model of this package; each arch's settings
 #                live in examples/quickstart/<arch>.sh
-#   --minutes    wall-clock training budget (default 4)
+#   --minutes    wall-clock training budget (default 6)
 #   --workdir    where data, checkpoints and outputs go (default work/quickstart); a re-run reuses them
 #   --smoke      a fast check that every step runs (20 updates, the first 100 test sentences, outputs cut at
 #                16 tokens); used by the tests
@@ -18,7 +18,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ARCH=transformer
-MINUTES=4
+MINUTES=6
 WORKDIR=""
 DIRECTION=""
 SMOKE=0
@@ -125,6 +125,6 @@ else
   printf '%s\n' "The weather is very nice today." "I have no time for such questions." "He has lived in this town for ten years."
 fi | fairseq-interactive "$BIN" --user-dir "$ROOT/fairseq_ext" --task "$TASK" --source-lang "$SRC" --target-lang "$TGT" \
   --path "$CKPT/checkpoint_avg.pt" --bpe sentencepiece --sentencepiece-model "$DATA/spm.model" \
-  --num-workers 0 "${GEN_ARGS[@]}" 2>/dev/null | grep -P '^(S|D)-' | sed 's/^S-/source: /; s/^D-[0-9]*\t[^\t]*\t/   -> /'
+  --num-workers 0 "${GEN_ARGS[@]}" 2>/dev/null | grep -P '^(S|D)-' | sed 's/^S-[0-9]*\t/source: /; s/^D-[0-9]*\t[^\t]*\t/   -> /'
 
 step "done in ${SECONDS}s; outputs in $OUTDIR"
