@@ -21,9 +21,9 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
 import argparse
 import collections
 import enum
-import io
 import os
 import pickle
+import re
 import shutil
 import sys
 import typing
@@ -109,8 +109,6 @@ _installed = False
 
 def _refused_global(exc):
     """The name of the object torch's weights-only unpickler refused (e.g. ``posix.system``), or None."""
-    import re
-
     m = re.search(r"GLOBAL ([\w.]+)", str(exc))
     return m.group(1) if m else None
 
@@ -178,11 +176,7 @@ def _wrap_load_checkpoint_to_cpu(checkpoint_utils):
     def load_checkpoint_to_cpu(path, *args, **kwargs):
         try:
             return original(path, *args, **kwargs)
-        except FairseqExtError:
-            raise
-        except FileNotFoundError:
-            raise
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - classified below, re-raised when unknown
             mapped = _check_readable(path, exc)
             if mapped is None:
                 raise
