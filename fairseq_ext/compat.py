@@ -14,6 +14,7 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
 * restores fairseq 0.12.2's batching: fairseq main (and so fairseq-fixed) drops the last batch when its size is
   not a multiple of ``--required-batch-size-multiple`` (8), so ``fairseq-generate`` silently skipped up to 7
   sentences of a test set (and validation and training lost them too); every sentence is batched again;
+* lets ``--ddp-backend pytorch_ddp`` run on CPU (gloo): fairseq passed GPU ``device_ids`` to torch's DDP;
 * makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic: a kill
   during the copy leaves the previous file intact (fairseq already writes the first file atomically).
 """
@@ -233,6 +234,27 @@ def _keep_last_batch(data_utils):
     data_utils.batch_by_size = batch_by_size
 
 
+def _ddp_on_cpu():
+    """``--ddp-backend pytorch_ddp`` (c10d) on CPU: fairseq always passes ``device_ids=[device_id]`` to torch's
+    DistributedDataParallel, which torch refuses for a CPU module ("device_ids and output_device arguments only
+    work with single-device/multiple-device GPU modules"); drop them when the module is on CPU."""
+    from fairseq.models import distributed_fairseq_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if getattr(distributed_fairseq_model.DistributedDataParallel, "_fairseq_ext_wrapped", False):
+        return
+
+    class CpuAwareDistributedDataParallel(DistributedDataParallel):
+        _fairseq_ext_wrapped = True
+
+        def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+            if device_ids is not None and all(p.device.type == "cpu" for p in module.parameters()):
+                device_ids = output_device = None
+            super().__init__(module, device_ids, output_device, *args, **kwargs)
+
+    distributed_fairseq_model.DistributedDataParallel = CpuAwareDistributedDataParallel
+
+
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if isinstance(exc, FairseqExtError):
@@ -258,6 +280,7 @@ def install():
     _wrap_load_checkpoint_to_cpu(checkpoint_utils)
     _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
+    _ddp_on_cpu()
     if not getattr(sys.excepthook, "_fairseq_ext_hook", False):
         sys.excepthook = _excepthook(sys.excepthook)
     _installed = True
