@@ -15,6 +15,9 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
   not a multiple of ``--required-batch-size-multiple`` (8), so ``fairseq-generate`` silently skipped up to 7
   sentences of a test set (and validation and training lost them too); every sentence is batched again;
 * lets ``--ddp-backend pytorch_ddp`` run on CPU (gloo): fairseq passed GPU ``device_ids`` to torch's DDP;
+* wraps ``fairseq.checkpoint_utils.load_model_ensemble_and_task`` so that a checkpoint whose tensors do not
+  fit the dictionaries of the data directory (torch's "size mismatch for encoder.embed_tokens.weight") raises
+  :class:`DictionaryMismatchError`: one line naming the dictionary file and the checkpoint;
 * makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic: a kill
   during the copy leaves the previous file intact (fairseq already writes the first file atomically).
 """
@@ -43,6 +46,10 @@ class UnsafeCheckpointError(FairseqExtError):
 
 
 class CorruptCheckpointError(FairseqExtError):
+    pass
+
+
+class DictionaryMismatchError(FairseqExtError):
     pass
 
 
@@ -188,6 +195,57 @@ def _wrap_load_checkpoint_to_cpu(checkpoint_utils):
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
 
 
+_SIZE_MISMATCH = re.compile(
+    r"size mismatch for ([\w.]+): copying a param with shape torch\.Size\(\[([\d, ]*)\]\) from checkpoint, "
+    r"the shape in current model is torch\.Size\(\[([\d, ]*)\]\)")
+
+
+def _dictionary_mismatch(filenames, task, exc):
+    """A one-line error for torch's "size mismatch" when loading a checkpoint into the model built for the
+    data directory (normally: the data was binarised with other dictionaries than the training data)."""
+    m = _SIZE_MISMATCH.search(str(exc))
+    if m is None:
+        return None
+    name, saved, built = m.group(1), m.group(2), m.group(3)
+    ckpt = ":".join(str(f) for f in filenames)
+    cfg = getattr(task, "cfg", None)
+    side = "source" if name.startswith("encoder.") else "target" if name.startswith("decoder.") else None
+    dictionary = getattr(task, f"{side}_dictionary", None) if side and task is not None else None
+    rows = built.split(",")[0].strip()
+    if dictionary is not None and rows == str(len(dictionary)):
+        lang = getattr(cfg, "source_lang" if side == "source" else "target_lang", None)
+        data = str(getattr(cfg, "data", "") or "").split(os.pathsep)[0]
+        dict_file = os.path.join(data, f"dict.{lang}.txt") if lang else f"the {side} dictionary of {data}"
+        return DictionaryMismatchError(
+            f"the {side} dictionary {dict_file} ({len(dictionary)} symbols) does not match checkpoint {ckpt} "
+            f"({name} has {saved.split(',')[0].strip()} rows there): decode with the dictionaries the model was "
+            f"trained with (binarise new data with fairseq-preprocess --srcdict/--tgtdict of the training data's "
+            f"dict files)")
+    return DictionaryMismatchError(
+        f"checkpoint {ckpt} does not fit the model built for it: {name} has shape [{saved}] in the checkpoint "
+        f"but [{built}] here; use the settings and dictionaries the model was trained with "
+        f"(check --model-overrides and the data directory)")
+
+
+def _wrap_load_model_ensemble_and_task(checkpoint_utils):
+    original = checkpoint_utils.load_model_ensemble_and_task
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, *args, **kwargs):
+        try:
+            return original(filenames, arg_overrides, task, *args, **kwargs)
+        except RuntimeError as exc:
+            mapped = _dictionary_mismatch(filenames, task, exc)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    load_model_ensemble_and_task._fairseq_ext_wrapped = True
+    load_model_ensemble_and_task.__doc__ = original.__doc__
+    checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
+
+
 def _make_checkpoint_copies_atomic():
     from fairseq.file_io import PathManager
 
@@ -278,6 +336,7 @@ def install():
     from fairseq.data import data_utils
 
     _wrap_load_checkpoint_to_cpu(checkpoint_utils)
+    _wrap_load_model_ensemble_and_task(checkpoint_utils)
     _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
     _ddp_on_cpu()
