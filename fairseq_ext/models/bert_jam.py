@@ -333,6 +333,22 @@ def build_bert(name, from_checkpoint=False):
     return bert.float()
 
 
+def _check_tokenizer_fits(name, tokenizer, config):
+    """The tokenizer files of --bert-model-name must belong to its model: ids within the vocabulary, same pad."""
+    n_ids, vocab = len(tokenizer), int(getattr(config, "vocab_size", 0) or 0)
+    if vocab and n_ids > vocab:
+        raise FairseqExtError(
+            f"--bert-model-name {name}: its tokenizer has {n_ids} ids but the BERT model's vocabulary has {vocab} "
+            f"(config.json vocab_size): the tokenizer files do not belong to this model; put the tokenizer saved "
+            f"with the model in that directory")
+    pad = getattr(config, "pad_token_id", None)
+    if pad is not None and tokenizer.pad_token_id is not None and int(pad) != int(tokenizer.pad_token_id):
+        raise FairseqExtError(
+            f"--bert-model-name {name}: its tokenizer pads with id {tokenizer.pad_token_id} but the model's "
+            f"config.json says pad_token_id {pad}: the tokenizer files do not belong to this model; put the "
+            f"tokenizer saved with the model in that directory")
+
+
 class BertJamEncoder(TransformerEncoderBase):
     def __init__(self, args, cfg, dictionary, embed_tokens, bert):
         self.args = args
@@ -532,6 +548,7 @@ class BertJamModel(TransformerModel):
             encoder_embed = cls.build_embedding(args, src_dict, args.encoder_embed_dim, args.encoder_embed_path)
             decoder_embed = cls.build_embedding(args, tgt_dict, args.decoder_embed_dim, args.decoder_embed_path)
         encoder = BertJamEncoder(args, cfg, src_dict, encoder_embed, bert)
+        _check_tokenizer_fits(name, encoder.bert_input_builder().tokenizer, bert.config)
         decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)
         return cls(args, encoder, decoder)
 

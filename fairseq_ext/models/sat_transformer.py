@@ -256,6 +256,13 @@ class SATModel(TransformerModel):
         K = getattr(args, "sat_group_size", None)
         if not isinstance(K, int) or K < 1:
             raise FairseqExtError(f"--sat-group-size must be a positive integer (got {K!r})")
+        from fairseq.models.transformer import DEFAULT_MAX_TARGET_POSITIONS
+
+        max_tgt = getattr(args, "max_target_positions", None) or DEFAULT_MAX_TARGET_POSITIONS
+        if K > max_tgt:  # the decoder input is K-1 positions longer than the target
+            raise FairseqExtError(
+                f"--sat-group-size {K} is larger than --max-target-positions {max_tgt}: a group must fit in the "
+                f"decoder's positions; use a smaller K (the paper uses 2, 4 or 6) or raise --max-target-positions")
         if getattr(args, "left_pad_target", False):
             raise FairseqExtError("sat_transformer needs right-padded targets: remove --left-pad-target")
         model = super().build_model(args, task)

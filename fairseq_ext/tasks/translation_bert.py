@@ -52,6 +52,16 @@ def bert_input_prefix(data_path, split, src, tgt):
 # --------------------------------------------------------------------------------------------------------
 
 def _bert_load_error(name, what, exc):
+    name_s = str(name)
+    if (os.path.isabs(name_s) or name_s.startswith(".") or name_s.count("/") > 1) and not os.path.exists(name_s):
+        return FairseqExtError(
+            f"--bert-model-name {name}: no such directory; give a local directory holding config.json, the "
+            "weights and the tokenizer files of a BERT-architecture model (this runs offline, nothing is "
+            "downloaded)")
+    if os.path.isdir(name_s) and not os.path.isfile(os.path.join(name_s, "config.json")):
+        return FairseqExtError(
+            f"--bert-model-name {name}: the directory has no config.json, so it is not a saved BERT model; give "
+            "a directory written by save_pretrained (config.json, the weights and the tokenizer files)")
     return FairseqExtError(
         f"--bert-model-name {name}: cannot load the BERT {what} ({type(exc).__name__}: "
         f"{str(exc).splitlines()[0] if str(exc) else ''}); give a local directory holding config.json, the "
