@@ -137,7 +137,10 @@ def _check_readable(path, exc):
             "never hold and which could run code; only load checkpoints from a source you trust (if this one "
             "is a genuine fairseq checkpoint, report the object so it can join fairseq_ext.compat.SAFE_GLOBALS)"
         )
-    if isinstance(exc, (EOFError, zipfile.BadZipFile, pickle.UnpicklingError)) or (
+    # torch's zip reader reports some truncations as a bare OSError ("[Errno 22] Invalid argument")
+    damaged_zip = (isinstance(exc, OSError) and os.path.isfile(str(path))
+                   and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)))
+    if damaged_zip or isinstance(exc, (EOFError, zipfile.BadZipFile, pickle.UnpicklingError)) or (
         isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive", "unexpected EOF", "storage has wrong"))
     ):
         return CorruptCheckpointError(
