@@ -143,7 +143,7 @@ def read_json(path, default=None):
 def write_json(path, obj):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        json.dump(obj, f, indent=1)  # insertion order: the models in the order of the run
     os.replace(path + ".tmp", path)
 
 
@@ -541,8 +541,20 @@ class Compare:
         for i, name in enumerate(self.selected, 1):
             self.run_model(self.specs[name], i)
             self.done_count += 1
+        self.load_other_results()
         self.report(time.time() - t0)
         self.say(f"done in {fmt_minutes(time.time() - t0)} ({self.runner.cpu_seconds:.0f} CPU seconds in the jobs)")
+
+    def load_other_results(self):
+        """Finished results of models outside --only whose settings are the current ones, for the report."""
+        if not os.path.isfile(os.path.join(self.data, "spm.vocab")):
+            return
+        for name, spec in self.specs.items():
+            if name in self.results:
+                continue
+            old = read_json(self.result_path(name))
+            if old and old.get("settings_hash") == settings_hash(self.settings(spec)):
+                self.results[name] = old
 
     def report(self, seconds):
         docs = os.path.abspath(self.args.docs_dir)
@@ -551,7 +563,7 @@ class Compare:
                 "max_update": self.args.max_update, "train_threads": self.args.threads,
                 "eval_threads": self.args.eval_threads, "latency_sentences": self.args.latency_sentences,
                 "run_minutes_this_invocation": seconds / 60, "date": time.strftime("%Y-%m-%d %H:%M"),
-                "kd_minutes": self.kd_minutes, "models": self.selected}
+                "kd_minutes": self.kd_minutes, "models_run_now": self.selected}
         ordered = {n: self.results[n] for n in self.specs if n in self.results}
         out = {"meta": meta, "models": ordered, "ratios": ratios(ordered)}
         for path in (os.path.join(self.W, "results.json"), os.path.join(docs, "results.json")):
