@@ -14,6 +14,8 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
 * restores fairseq 0.12.2's batching: fairseq main (and so fairseq-fixed) drops the last batch when its size is
   not a multiple of ``--required-batch-size-multiple`` (8), so ``fairseq-generate`` silently skipped up to 7
   sentences of a test set (and validation and training lost them too); every sentence is batched again;
+* makes a resumed run (``--restore-file``) train on the batches of the run it continues, also after epoch 1
+  (fairseq main rebuilt them with another seed, see :func:`_same_batches_after_resume`);
 * lets ``--ddp-backend pytorch_ddp`` run on CPU (gloo): fairseq passed GPU ``device_ids`` to torch's DDP;
 * wraps ``fairseq.checkpoint_utils.load_model_ensemble_and_task`` so that a checkpoint whose tensors do not
   fit the dictionaries of the data directory (torch's "size mismatch for encoder.embed_tokens.weight") raises
@@ -316,6 +318,41 @@ def _ddp_on_cpu():
     distributed_fairseq_model.DistributedDataParallel = CpuAwareDistributedDataParallel
 
 
+def _same_batches_after_resume():
+    """Exact resume after epoch 1. fairseq-fixed (fairseq main) builds the batches of a new batch iterator from
+    ``ordered_indices()`` under ``numpy_seed(seed + epoch)`` and, without ``--rebuild-batches``, reuses them for
+    every later epoch. An uninterrupted run builds them in epoch 1; a run resumed in epoch e built them with
+    seed + e: other batches (length ties broken by another permutation), so the resumed run trained on other
+    batches than the run it continues, and a mid-epoch resume skipped the wrong ones (fairseq 0.12.2 used
+    ``numpy_seed(seed)`` whatever the epoch). Without ``--rebuild-batches``, a new iterator's batches are now
+    those of epoch 1, then the iterator is moved to its epoch."""
+    import inspect
+
+    from fairseq.tasks import FairseqTask
+
+    original = FairseqTask.get_batch_iterator
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+    signature = inspect.signature(original)
+
+    def get_batch_iterator(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        epoch, dataset = bound.arguments["epoch"], bound.arguments["dataset"]
+        if epoch <= 1 or getattr(getattr(self, "cfg", None), "rebuild_batches", False) or \
+                dataset in getattr(self, "dataset_to_epoch_iter", {}):
+            return original(*bound.args, **bound.kwargs)
+        bound.arguments["epoch"] = 1
+        itr = original(*bound.args, **bound.kwargs)
+        dataset.set_epoch(epoch)
+        itr.epoch = epoch
+        return itr
+
+    get_batch_iterator._fairseq_ext_wrapped = True
+    get_batch_iterator.__doc__ = original.__doc__
+    FairseqTask.get_batch_iterator = get_batch_iterator
+
+
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if isinstance(exc, FairseqExtError):
@@ -343,6 +380,7 @@ def install():
     _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
     _ddp_on_cpu()
+    _same_batches_after_resume()
     if not getattr(sys.excepthook, "_fairseq_ext_hook", False):
         sys.excepthook = _excepthook(sys.excepthook)
     _installed = True
