@@ -8,7 +8,8 @@ Models (``--only`` takes these names; a SAT student needs the ``transformer`` ba
   transformer          fairseq ``transformer`` De->En, the baseline of De->En (3+3 layers, d 256, FFN 512)
   fconv_glu            ConvS2S (4+3 GLU convolutions of width 256, kernel 3)
   msc6                 ``msc_transformer``, 3 blocks x 2 layers = 6 encoder layers
-  msc12                ``msc_transformer``, 3 blocks x 4 layers = 12 encoder layers (the deep presets scaled down)
+  msc12                ``msc_transformer``, 3 blocks x 4 layers = 12 encoder layers (the deep presets scaled down);
+                       both MSC models train with ``--log-layer-grad-norms`` (Figure 5)
   sat_k2, sat_k4, sat_k6   ``sat_transformer`` with K = 2/4/6, trained on the training set distilled by the
                        averaged baseline (beam 4) and initialised from it
   transformer_en_de    fairseq ``transformer`` En->De, the baseline of En->De
@@ -318,7 +319,6 @@ class Compare:
         self.status = ""
         self.last_print = 0.0  # time of the last progress line
         self.inline = False  # a progress line without a newline is on the terminal
-        self.kd_minutes = None
 
     def select(self, only):
         if not only:
@@ -423,7 +423,7 @@ class Compare:
             self.log("kd", "preprocess"), "preprocess of the distilled data")
         with open(marker, "w") as f:
             f.write(teacher_hash)
-        self.kd_minutes = (time.time() - t0) / 60
+        write_json(os.path.join(kd, "kd.json"), {"teacher": teacher_hash, "minutes": (time.time() - t0) / 60})
         return kdbin
 
     def kd_bound(self):
@@ -484,8 +484,8 @@ class Compare:
             os.remove(log)
         train = self.runner.run("cli", ("fairseq_cli.train", self.train_argv(spec, bin_dir, extra)), log,
                                 f"fairseq-train of {spec.name}", poll=lambda: self.progress(spec, log, t0))
-        self.runner.run("average", (ck, os.path.join(ck, "checkpoint_avg.pt")), self.log(spec.name, "average"),
-                        f"averaging of {spec.name}")
+        avg = self.runner.run("average", (ck, os.path.join(ck, "checkpoint_avg.pt")), self.log(spec.name, "average"),
+                              f"averaging of {spec.name}")
         self.status = f"{spec.name}: decoding the test set"
         self.progress(spec, log, t0, force=True, training=False)
         t1 = time.time()
@@ -496,7 +496,7 @@ class Compare:
         self.eval_seconds.append(time.time() - t1)
         result = {"name": spec.name, "label": spec.label, "direction": f"{spec.src}-{spec.tgt}",
                   "baseline": spec.baseline, "settings_hash": h, "peak_rss_mb": train["maxrss_mb"],
-                  **parse_train_log(log), **ev["value"]}
+                  **parse_train_log(log), **ev["value"], "averaged_checkpoints": avg["value"]["averaged"]}
         result["train_wallclock_minutes"] = (t1 - t0) / 60
         write_json(self.result_path(spec.name), result)
         self.results[spec.name] = result
@@ -563,7 +563,8 @@ class Compare:
                 "max_update": self.args.max_update, "train_threads": self.args.threads,
                 "eval_threads": self.args.eval_threads, "latency_sentences": self.args.latency_sentences,
                 "run_minutes_this_invocation": seconds / 60, "date": time.strftime("%Y-%m-%d %H:%M"),
-                "kd_minutes": self.kd_minutes, "models_run_now": self.selected}
+                "kd_minutes": read_json(os.path.join(self.W, "compare", "kd", "kd.json"), {}).get("minutes"),
+                "models_run_now": self.selected}
         ordered = {n: self.results[n] for n in self.specs if n in self.results}
         out = {"meta": meta, "models": ordered, "ratios": ratios(ordered)}
         for path in (os.path.join(self.W, "results.json"), os.path.join(docs, "results.json")):
@@ -848,6 +849,7 @@ def write_results_md(path, out, figures):
     meta, results = out["meta"], out["models"]
     m = meta["machine"]
     sig = next((r["bleu_signature"] for r in results.values()), "")
+    test_n = ", ".join(sorted({str(r["test_sentences"]) for r in results.values()}))
     base = results.get("transformer")
     lines = [
         "# Results: every architecture on the bundled German-English corpus",
@@ -860,8 +862,11 @@ def write_results_md(path, out, figures):
         "",
         f"- Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, fairseq-fixed "
         f"{m['fairseq-fixed']}, sacreBLEU {m['sacrebleu']} (load average {m['load_average']:.1f} at the end).",
-        f"- Data: the bundled Ding corpus (12,797 / 1,000 / 1,000 sentence pairs), joint sentencepiece BPE 8k, "
-        f"as `examples/quickstart.sh`" + (" (smoke: the first 300/40/20 lines, BPE 500)" if meta["smoke"] else "") + ".",
+        "- Data: the bundled Ding corpus (12,797 / 1,000 / 1,000 sentence pairs), joint sentencepiece BPE 8k, "
+        "as `examples/quickstart.sh`" + (" (smoke: the first 300/40/20 lines, BPE 500)" if meta["smoke"] else "")
+        + f"; test sentences scored: {test_n}"
+        + (f"; distilling the training set for the SAT students took {meta['kd_minutes']:.1f} minutes"
+           if meta["kd_minutes"] else "") + ".",
         f"- Budget: {meta['minutes_per_model']} wall-clock minutes of `fairseq-train` per model (`--stop-time-hours`)"
         + (f", at most {meta['max_update']} updates" if meta["max_update"] else "")
         + f", torch threads: {meta['train_threads']}; the SAT students train on the training set distilled by the "
@@ -897,7 +902,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes-per-model", type=float, default=None,
                    help="wall-clock training budget of every model (default 15: about 3 hours in all on 2 cores; "
-                        "--smoke: 0.5)")
+                        "--smoke: 2, with --max-update 8)")
     p.add_argument("--workdir", default=None, help="data, checkpoints, logs (default work/compare; --smoke: "
                                                    "work/compare-smoke)")
     p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"), help="where RESULTS.md, results.json and "
@@ -905,18 +910,18 @@ def parse_args(argv=None):
     p.add_argument("--only", default=None, help="comma list of models to run (default: all)")
     p.add_argument("--smoke", action="store_true", help="tiny corpus slice, tiny models, a few updates")
     p.add_argument("--max-update", type=int, default=None, help="also stop training after N updates "
-                                                                "(default none; --smoke: 3)")
+                                                                "(default none; --smoke: 8)")
     p.add_argument("--latency-sentences", type=int, default=None, help="test sentences of the batch-1 latency "
                                                                        "(default 100; --smoke: 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads of training (default 2; --smoke: 1)")
     p.add_argument("--eval-threads", type=int, default=1, help="torch threads of decoding (default 1)")
     a = p.parse_args(argv)
     if a.minutes_per_model is None:
-        a.minutes_per_model = 0.5 if a.smoke else 15.0
+        a.minutes_per_model = 2.0 if a.smoke else 15.0  # smoke: --max-update stops it long before
     if a.threads is None:
         a.threads = 1 if a.smoke else 2
     if a.max_update is None and a.smoke:
-        a.max_update = 3
+        a.max_update = 8  # past the end of the first epoch of the smoke corpus, so that averaging is exercised
     if a.latency_sentences is None:
         a.latency_sentences = 5 if a.smoke else 100
     if a.workdir is None:
