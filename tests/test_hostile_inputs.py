@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import USER_DIR, run_cli
+from tests.helpers import USER_DIR, create_dummy_data, run_cli
 
 TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
         "--encoder-ffn-embed-dim", "8", "--decoder-ffn-embed-dim", "8", "--encoder-attention-heads", "1",
@@ -73,22 +73,25 @@ def write_short_bert(path):
     return path
 
 
-@pytest.fixture(scope="module")
-def runs(tiny_transformer_dir, tmp_path_factory):
-    data = tiny_transformer_dir  # dummy letters data, binarised, and a trained transformer checkpoint
-    ckpt = os.path.join(data, "checkpoint_last.pt")
-    w = str(tmp_path_factory.mktemp("hostile"))
-    before = {"data": _tree(data)}
+def _raw_training_data(directory):
+    """Dummy letters data as fairseq-preprocess --dataset-impl raw writes it (the text files and the
+    dictionaries), written here: the runs that need no trained checkpoint start at once."""
+    from fairseq.data import Dictionary
 
-    # BERT directories: a real tiny BERT (12 positions: many dummy sentences are longer), a missing one, one
-    # that is not a saved model, one whose tokenizer does not belong to the model
-    bert = write_short_bert(os.path.join(w, "bert"))
-    not_bert = os.path.join(w, "not_bert")
-    os.makedirs(not_bert)
-    open(os.path.join(not_bert, "README"), "w").write("not a model\n")
-    bert_mismatch = os.path.join(w, "bert_mismatch")
-    _write_tokenizer_mismatch(bert, bert_mismatch)
+    os.makedirs(directory)
+    create_dummy_data(directory, num_examples=40, maxlen=20, splits=("train", "valid"))
+    d = Dictionary()
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        d.add_symbol(c)
+    for lang in ("in", "out"):
+        d.save(os.path.join(directory, f"dict.{lang}.txt"))
+        for split in ("train", "valid"):
+            os.rename(os.path.join(directory, f"{split}.{lang}"), os.path.join(directory, f"{split}.in-out.{lang}"))
+    return directory
 
+
+def _dependent_inputs(w, data, ckpt, before):
+    """Inputs made from the trained transformer's data directory and checkpoint."""
     # a data directory whose source dictionary is not the checkpoint's (fewer symbols)
     other = os.path.join(w, "other_dict")
     os.makedirs(other)
@@ -106,6 +109,12 @@ def runs(tiny_transformer_dir, tmp_path_factory):
     tgt = ["i f m m p", "", " ", "b c d", "e", "", "y z"]
     open(os.path.join(raw, "test.in"), "w").write("\n".join(src) + "\n")
     open(os.path.join(raw, "test.out"), "w").write("\n".join(tgt) + "\n")
+    # what fairseq-preprocess --dataset-impl raw --srcdict/--tgtdict writes (copies of the text files and of
+    # the dictionaries), written here to save one start-up
+    os.makedirs(os.path.join(raw, "bin"))
+    for lang in ("in", "out"):
+        shutil.copy(os.path.join(raw, f"test.{lang}"), os.path.join(raw, "bin", f"test.in-out.{lang}"))
+        shutil.copy(os.path.join(data, f"dict.{lang}.txt"), os.path.join(raw, "bin"))
 
     # a save directory whose checkpoint_last.pt is corrupted: training must not resume from it nor replace it
     resume = os.path.join(w, "resume")
@@ -114,31 +123,32 @@ def runs(tiny_transformer_dir, tmp_path_factory):
     open(os.path.join(resume, "checkpoint_last.pt"), "wb").write(good[: len(good) // 3])
     before["resume"] = _tree(resume)
 
+    return other, raw, resume, src
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory):
+    w = str(tmp_path_factory.mktemp("hostile"))
+    text = _raw_training_data(os.path.join(w, "text"))
+    before = {"text": _tree(text)}
+
+    # BERT directories: a real tiny BERT (12 positions: many dummy sentences are longer), a missing one, one
+    # that is not a saved model, one whose tokenizer does not belong to the model
+    bert = write_short_bert(os.path.join(w, "bert"))
+    not_bert = os.path.join(w, "not_bert")
+    os.makedirs(not_bert)
+    open(os.path.join(not_bert, "README"), "w").write("not a model\n")
+    bert_mismatch = os.path.join(w, "bert_mismatch")
+    _write_tokenizer_mismatch(bert, bert_mismatch)
+
     def train(save, flags, task="translation"):
-        return lambda: run_cli("train", [data, "--task", task, "--save-dir", os.path.join(w, save)] + COMMON + flags,
-                               check=False)
+        return lambda: run_cli("train", [text, "--task", task, "--save-dir", os.path.join(w, save), "--dataset-impl",
+                                         "raw"] + COMMON + flags, check=False)
 
     bert_flags = ["--arch", "bert_jam", "--bert-jam-phase", "1"] + TINY
-
-    def bert_long():
-        return run_cli("train", [data, "--task", "translation_bert", "--save-dir", os.path.join(w, "bert_long"),
-                                 "--bert-model-name", bert] + COMMON + bert_flags + ["--max-update", "1"], check=False)
-
-    # what fairseq-preprocess --dataset-impl raw --srcdict/--tgtdict writes (copies of the text files and of
-    # the dictionaries), written here to save one start-up
-    os.makedirs(os.path.join(raw, "bin"))
-    for lang in ("in", "out"):
-        shutil.copy(os.path.join(raw, f"test.{lang}"), os.path.join(raw, "bin", f"test.in-out.{lang}"))
-        shutil.copy(os.path.join(data, f"dict.{lang}.txt"), os.path.join(raw, "bin"))
-
-    def raw_generate():
-        return run_cli("generate", [os.path.join(raw, "bin"), "--path", ckpt, "--dataset-impl", "raw",
-                                   "--gen-subset", "test", "--beam", "2", "--max-len-b", "4", "--batch-size", "3"]
-                      + LANG, check=False)
-
-    jobs = {
-        "bert_long": bert_long,  # the longest first
-        "raw": raw_generate,
+    independent = {
+        "bert_long": train("bert_long", bert_flags + ["--bert-model-name", bert, "--max-update", "1"],
+                           "translation_bert"),
         "sat_k0": train("sat_k0", ["--arch", "sat_transformer", "--sat-group-size", "0"] + TINY, "translation_sat"),
         "sat_k_big": train("sat_k_big", ["--arch", "sat_transformer", "--sat-group-size", "9",
                                          "--max-target-positions", "8"] + TINY, "translation_sat"),
@@ -148,16 +158,31 @@ def runs(tiny_transformer_dir, tmp_path_factory):
                               "translation_bert"),
         "bert_not_bert": train("bert_not_bert", bert_flags + ["--bert-model-name", not_bert], "translation_bert"),
         "bert_tokenizer": train("bert_tokenizer", bert_flags + ["--bert-model-name", bert_mismatch], "translation_bert"),
-        "interactive": lambda: run_cli("interactive", [data, "--path", ckpt, "--beam", "2", "--max-len-b", "4",
-                                                       "--buffer-size", "2"] + LANG, input=INTERACTIVE_INPUT, check=False),
-        "dict": lambda: run_cli("generate", [other, "--path", ckpt, "--gen-subset", "valid", "--beam", "2"] + LANG,
-                                check=False),
-        "resume": lambda: run_cli("train", [data, "--arch", "transformer_iwslt_de_en", "--save-dir", resume] + TINY
-                                  + COMMON, check=False),
     }
-    with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    pool = ThreadPoolExecutor(2)
+    try:
+        futures = {name: pool.submit(job) for name, job in independent.items()}
+        # meanwhile (in this thread): the trained transformer shared with other test modules
+        data = request.getfixturevalue("tiny_transformer_dir")  # dummy data, binarised, and a checkpoint
+        ckpt = os.path.join(data, "checkpoint_last.pt")
+        before["data"] = _tree(data)
+        other, raw, resume, src = _dependent_inputs(w, data, ckpt, before)
+        dependent = {
+            "raw": lambda: run_cli("generate", [os.path.join(raw, "bin"), "--path", ckpt, "--dataset-impl", "raw",
+                                                "--gen-subset", "test", "--beam", "2", "--max-len-b", "4",
+                                                "--batch-size", "3"] + LANG, check=False),
+            "interactive": lambda: run_cli("interactive", [data, "--path", ckpt, "--beam", "2", "--max-len-b", "4",
+                                                           "--buffer-size", "2"] + LANG, input=INTERACTIVE_INPUT,
+                                           check=False),
+            "dict": lambda: run_cli("generate", [other, "--path", ckpt, "--gen-subset", "valid", "--beam", "2"] + LANG,
+                                    check=False),
+            "resume": lambda: run_cli("train", [data, "--arch", "transformer_iwslt_de_en", "--save-dir", resume]
+                                      + TINY + COMMON, check=False),
+        }
+        futures.update({name: pool.submit(job) for name, job in dependent.items()})
         results = {name: f.result() for name, f in futures.items()}
+    finally:
+        pool.shutdown(wait=True)
     return {"w": w, "data": data, "ckpt": ckpt, "before": before, "results": results, "raw_src": src}
 
 
@@ -172,9 +197,9 @@ def assert_one_line_error(proc, *fragments):
 
 
 def assert_nothing_written(runs, save):
-    """The run wrote no checkpoint (its save directory holds no file) and the data directory is unchanged."""
+    """The run wrote no checkpoint (its save directory holds no file) and its data directory is unchanged."""
     assert _tree(os.path.join(runs["w"], save)) == {}
-    assert _tree(runs["data"]) == runs["before"]["data"]
+    assert _tree(os.path.join(runs["w"], "text")) == runs["before"]["text"]
 
 
 # ------------------------------------------------------------------------------------------------ SAT
