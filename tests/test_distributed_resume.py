@@ -379,12 +379,13 @@ def _check_frozen(one, dist, bert_dir, phase):
 # item 2: SIGKILL after a mid-epoch checkpoint, resume, same trajectory and model
 # ------------------------------------------------------------------------------------------------------
 
-RESUME = ["--dropout", "0.1", "--update-freq", "2"]
+# 10 updates: epoch 1 (updates 1-4), epoch 2 (5-8), epoch 3; a checkpoint every 3 updates, the kill after update 6
+RESUME = ["--dropout", "0.1", "--update-freq", "2", "--max-update", "10", "--save-interval-updates", "3"]
 _reference = {}
 
 
 def reference(server, data, name):
-    """The uninterrupted run (dropout 0.1, --update-freq 2, a checkpoint every 2 updates), once per arch."""
+    """The uninterrupted run (RESUME: dropout 0.1, --update-freq 2, 10 updates), once per arch."""
     if name not in _reference:
         run = Run(os.path.join(data["dir"], "reference"), name)
         server.wait(server.start(argv(data, name, run.dir, RESUME), run.log, record=run.rec), run.log)
@@ -404,27 +405,27 @@ def kill_when_paused(server, pid, run, timeout=240):
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_sigkill_mid_epoch_and_resume_is_exact(server, data, tmp_path, name):
     run = Run(str(tmp_path), "killed")
-    pid = server.start(argv(data, name, run.dir, RESUME), run.log, record=run.rec, pause_after_save=2)
+    pid = server.start(argv(data, name, run.dir, RESUME), run.log, record=run.rec, pause_after_save=6)
     ref = reference(server, data, name)  # runs meanwhile
     kill_when_paused(server, pid, run)
     state = load(run.ckpt)
     itr = state["extra_state"]["train_iterator"]
-    assert state["optimizer_history"][-1]["num_updates"] == 2
-    assert (itr["epoch"], itr["iterations_in_epoch"]) == (1, 4)  # mid-epoch: 4 of 8 batches
+    assert state["optimizer_history"][-1]["num_updates"] == 6
+    assert (itr["epoch"], itr["iterations_in_epoch"]) == (2, 4)  # mid-epoch 2: 4 of 8 batches
     killed = records(run.rec)
-    assert [r["update"] for r in killed] == [1, 2]
+    assert [r["update"] for r in killed] == [1, 2, 3, 4, 5, 6]
 
     server.wait(server.start(argv(data, name, run.dir, RESUME + ["--restore-file", "checkpoint_last.pt"]),
                              run.log + ".resumed", record=run.rec), run.log + ".resumed")
     resumed, uninterrupted = records(run.rec), records(ref.rec)
-    # the same batches (the rest of epoch 1, then epoch 2's order) and bit-identical losses
-    assert resumed == uninterrupted and len(resumed) == UPDATES
+    # the same batches (the rest of epoch 2, then epoch 3) and bit-identical losses
+    assert resumed == uninterrupted and len(resumed) == 10
     log_a, log_b = json_log(ref.log), json_log(run.log + ".resumed")
-    assert sorted(log_b) == [3, 4, 5, 6]
+    assert sorted(log_b) == [7, 8, 9, 10]
     for u in log_b:
         assert (log_a[u]["loss"], log_a[u]["gnorm"]) == (log_b[u]["loss"], log_b[u]["gnorm"])
     a, b = load(ref.ckpt), load(run.ckpt)
-    assert a["optimizer_history"][-1]["num_updates"] == b["optimizer_history"][-1]["num_updates"] == UPDATES
+    assert a["optimizer_history"][-1]["num_updates"] == b["optimizer_history"][-1]["num_updates"] == 10
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert _tensors(a["last_optimizer_state"]) == _tensors(b["last_optimizer_state"])
@@ -444,26 +445,29 @@ def _tensors(obj):
 
 @pytest.mark.parametrize("where", ["pause_in_write", "pause_in_copy"])
 def test_kill_during_a_save_leaves_the_previous_checkpoint(server, data, tmp_path, where):
-    """Kill while checkpoint_1_4.pt is half written (fairseq writes it to .tmp, then renames) or while fairseq
-    copies it to checkpoint_last.pt (fairseq_ext.compat makes the copy atomic): checkpoint_last.pt is still the
-    update-2 checkpoint, byte for byte, it loads, and resuming from it ends with the uninterrupted model."""
+    """A checkpoint every update. Kill while checkpoint_1_2.pt is half written (fairseq writes it to .tmp, then
+    renames it) or while fairseq copies it to checkpoint_last.pt (fairseq_ext.compat makes that copy atomic):
+    checkpoint_last.pt is still the update-1 checkpoint, byte for byte, and loads; resuming from it ends with
+    the uninterrupted run's model."""
     name = "transformer"
     run = Run(str(tmp_path), "killed")
-    pid = server.start(argv(data, name, run.dir, RESUME), run.log, **{where: "checkpoint_1_4.pt" +
-                                                                       (".tmp" if where == "pause_in_write" else "")})
+    every = RESUME + ["--save-interval-updates", "1"]
+    target = "checkpoint_1_2.pt" + (".tmp" if where == "pause_in_write" else "")
+    pid = server.start(argv(data, name, run.dir, every), run.log, **{where: target})
     kill_when_paused(server, pid, run)
-    previous = os.path.join(run.dir, "checkpoint_1_2.pt")
-    with open(previous, "rb") as f, open(run.ckpt, "rb") as g:
+    with open(os.path.join(run.dir, "checkpoint_1_1.pt"), "rb") as f, open(run.ckpt, "rb") as g:
         assert f.read() == g.read()
-    state = load(run.ckpt)
-    assert state["optimizer_history"][-1]["num_updates"] == 2
-    partial = [f for f in os.listdir(run.dir) if ".tmp" in f]
-    assert partial, os.listdir(run.dir)  # the kill did hit a half-written file
+    assert load(run.ckpt)["optimizer_history"][-1]["num_updates"] == 1
+    half = os.path.join(run.dir, target if where == "pause_in_write" else f"checkpoint_last.pt.tmp.{pid}")
+    assert os.path.getsize(half) > 0  # the kill did hit a half-written file
+    with pytest.raises(Exception, match="truncated or corrupted"):
+        load(half)
     if where == "pause_in_write":
-        assert not os.path.exists(os.path.join(run.dir, "checkpoint_1_4.pt"))
+        assert not os.path.exists(os.path.join(run.dir, "checkpoint_1_2.pt"))
     else:
-        assert load(os.path.join(run.dir, "checkpoint_1_4.pt"))["optimizer_history"][-1]["num_updates"] == 4
-    server.wait(server.start(argv(data, name, run.dir, RESUME), run.log + ".resumed"), run.log + ".resumed")
+        assert load(os.path.join(run.dir, "checkpoint_1_2.pt"))["optimizer_history"][-1]["num_updates"] == 2
+    server.wait(server.start(argv(data, name, run.dir, every), run.log + ".resumed"), run.log + ".resumed")
+    assert "Loaded checkpoint" in open(run.log + ".resumed").read()
     a, b = load(reference(server, data, name).ckpt), load(run.ckpt)
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
@@ -477,6 +481,7 @@ def test_long_run_check_small_mode(data, tmp_path):
     out = run_module("fairseq_ext.scripts.long_run_check", [
         "--arch", "transformer", "--data", data["dir"], "--source-lang", "in", "--target-lang", "out",
         "--tiny", "--minutes", "0.05", "--kills", "1", "--workdir", str(tmp_path), "--save-interval-updates", "2",
+        "--max-tokens", "200",
     ], timeout=300).stdout
     assert "kills: 1" in out, out
     assert "resumed from update" in out, out
