@@ -875,9 +875,12 @@ def write_results_md(path, out, figures):
         f"- Measurements (torch threads: {meta['eval_threads']}): sacreBLEU of the detokenised test output with "
         f"beam 4 and greedy (outputs bounded to 1.2 x source + 10 tokens), `{sig}`; latency at batch 1 over the "
         f"first {meta['latency_sentences']} test sentences; throughput at batch 64 over the test set (sorted by "
-        "length); train tokens/s = median of fairseq's `wps` (target tokens); peak memory = maximum RSS of the "
-        "training process; parameters count every parameter (BERT-JAM's frozen MiniLM included; `params_trainable` "
-        "in results.json). Ratios in parentheses are against the transformer baseline of the same direction.",
+        "length); each model decodes with its task's generator (the SAT students with the package's semi-autoregressive "
+        "generator, the others with fairseq's `SequenceGenerator`); train tokens/s = median of fairseq's `wps` "
+        "(target tokens); peak memory = maximum RSS of the training process (which includes the ~350 MB of an "
+        "interpreter with torch and fairseq imported, as any `fairseq-train` has); parameters count every parameter (BERT-JAM's frozen MiniLM included; `params_trainable` "
+        "in results.json). Ratios in parentheses are model / transformer baseline of the same direction (for latency "
+        "and memory, above 1 is worse; for the others, above 1 is more).",
         "",
         "## Numbers",
         "",
