@@ -5,9 +5,10 @@
   one process with ``--update-freq 2`` (rank r takes batches r, r+2, ...; one process takes batches 2u, 2u+1
   for update u), and their losses and final parameters agree. Dropout is 0 in this comparison: fairseq reseeds
   once per update, so the second batch of an update draws other dropout masks on rank 1 than in one process.
-* A run killed with SIGKILL right after a mid-epoch checkpoint and resumed with ``--restore-file
-  checkpoint_last.pt`` replays the same batches with the same losses (bit for bit, dropout 0.1) and ends with
-  the same parameters and optimizer state as an uninterrupted run.
+* A run killed with SIGKILL right after a checkpoint in the middle of epoch 2 and resumed with ``--restore-file
+  checkpoint_last.pt`` replays the same batches with the same losses (bit for bit, dropout 0.1) into epoch 3
+  and ends with the same parameters, optimizer and iterator state as an uninterrupted run (this needs
+  fairseq_ext.compat's fix of the batches of a resumed run, see docs/RELIABILITY.md).
 * A kill inside the write of a checkpoint, or inside fairseq's copy of it to ``checkpoint_last.pt``, leaves the
   previous ``checkpoint_last.pt`` byte for byte and loadable.
 * ``python -m fairseq_ext.scripts.long_run_check`` in its smallest mode.
