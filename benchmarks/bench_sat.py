@@ -23,6 +23,7 @@ run.
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -53,7 +54,17 @@ def parse_args():
                         "--max-len-a 0): speed at equal output length, independent of how well (or badly) "
                         "the models are trained; BLEU is then meaningless")
     p.add_argument("--json", default=None, help="also write the results here")
-    return p.parse_args()
+    p.add_argument("--teacher", default=None,
+                   help="benchmark these trained checkpoints instead of training: the K=1 transformer ...")
+    p.add_argument("--student", action="append", default=[], metavar="K=PATH",
+                   help="... and one SAT student per K (repeat), e.g. --student 2=ckpt/sat-k2/checkpoint_avg.pt")
+    p.add_argument("--data", default=None, help="with --teacher: the binarised data directory of the test set")
+    p.add_argument("--refs", default=None, help="with --teacher: detokenised test references, one per line")
+    p.add_argument("--target-lang", default="en")
+    a = p.parse_args()
+    if a.teacher and not (a.student and a.data and a.refs):
+        p.error("--teacher needs --student K=PATH (one or more), --data BIN and --refs FILE")
+    return a
 
 
 # same sizes and optimisation as examples/quickstart/transformer.sh and sat_transformer.sh
@@ -123,7 +134,13 @@ def ensure_models(args):
 
 def main():
     args = parse_args()
-    teacher_path, student_paths, bin_ = ensure_models(args)
+    if args.teacher:
+        teacher_path, bin_ = args.teacher, args.data
+        student_paths = {int(ks.split("=", 1)[0]): ks.split("=", 1)[1] for ks in args.student}
+        refs_path = args.refs
+    else:
+        teacher_path, student_paths, bin_ = ensure_models(args)
+        refs_path = os.path.join(args.workdir, "data", f"test.{args.target_lang}")
 
     import torch
     import sacrebleu
@@ -148,7 +165,7 @@ def main():
     tgt_dict = task.target_dictionary
     task.load_dataset("test")
     ds = task.dataset("test")
-    with open(os.path.join(args.workdir, "data", "test.en"), encoding="utf-8") as f:
+    with open(refs_path, encoding="utf-8") as f:
         refs = [l.rstrip("\n") for l in f]
 
     gen_opts = dict(max_len_a=1.2, max_len_b=10)
@@ -181,17 +198,39 @@ def main():
         tot = [0.0] * len(cs)
         calls = [0] * len(cs)
         toks = [0] * len(cs)
+        per_sentence = [[] for _ in cs]  # (output length of ours K=1, seconds)
+        enc_s = 0.0
         for c in cs:  # warm-up
             run(c[3], c[2], ds.collater([ds[0]]))
         for i in ids:
             sample = ds.collater([ds[i]])
             order = list(range(len(cs)))
             rng.shuffle(order)
+            lens = [0] * len(cs)
             for j in order:
                 dt, out = run(cs[j][3], cs[j][2], sample)
                 tot[j] += dt
                 calls[j] += getattr(cs[j][3], "decoder_calls", 0)
                 toks[j] += len(out[0][0]["tokens"])
+                lens[j] = len(out[0][0]["tokens"])
+                per_sentence[j].append(dt)
+            for j in range(len(cs)):
+                per_sentence[j][-1] = (lens[1], per_sentence[j][-1])
+            t0 = time.perf_counter()  # the encoder pass alone: the part of a sentence's time no K can shrink
+            with torch.no_grad():
+                teacher.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+            enc_s += time.perf_counter() - t0
+        results.setdefault("_analysis", {})[f"{mode}_encoder_ms"] = 1000 * enc_s / len(ids)
+        for j, c in enumerate(cs):
+            buckets = {}
+            for (n, dt), (_, dt1) in zip(per_sentence[j], per_sentence[1]):
+                b = "1-9" if n < 10 else ("10-19" if n < 20 else "20+")
+                acc = buckets.setdefault(b, [0, 0.0, 0.0])
+                acc[0] += 1
+                acc[1] += dt
+                acc[2] += dt1
+            results.setdefault(c[0], {"K": c[1]})[f"{mode}_b1_speedup_by_len"] = {
+                b: {"sentences": v[0], "speedup": v[2] / v[1]} for b, v in buckets.items()}
         for j, c in enumerate(cs):
             r = results.setdefault(c[0], {"K": c[1]})
             r[f"{mode}_b1_ms"] = 1000 * tot[j] / len(ids)
@@ -224,6 +263,7 @@ def main():
         print(f"[{mode}] batch {args.batch} done", flush=True)
     load_after = os.getloadavg()
 
+    analysis = results.pop("_analysis")
     base = results["ours K=1 (transformer)"]
     fs = results["fairseq SequenceGenerator (transformer)"]
     print()
@@ -251,6 +291,27 @@ def main():
         cells.append(f"{r['greedy_b1_len']:.2f}")
         print(name + "\t" + "\t".join(cells))
     print()
+    # where the time goes at batch 1 (greedy): the encoder pass E is paid once per sentence whatever K is;
+    # with c = (T - E) / calls the cost of one decoder call (incl. search), T_K = E + ceil(n/K) c_K, and the
+    # best a K can give at the measured length n is (E + n' c_1) / (E + ceil(n'/K) c_1) with n' = calls of K=1
+    E = analysis["greedy_encoder_ms"]
+    c1 = (base["greedy_b1_ms"] - E) / base["greedy_b1_calls"]
+    print(f"greedy batch 1: encoder {E:.2f} ms/sentence, one K=1 decoder call {c1:.2f} ms, "
+          f"{base['greedy_b1_calls']:.2f} calls/sentence")
+    for name, r in results.items():
+        if name.startswith("ours SAT"):
+            K = r["K"]
+            cK = (r["greedy_b1_ms"] - E) / r["greedy_b1_calls"]
+            calls1 = base["greedy_b1_calls"]
+            bound = (E + calls1 * c1) / (E + math.ceil(calls1 / K) * c1)
+            r["greedy_b1_call_ms"] = cK
+            r["greedy_b1_bound_if_call_cost_equal_k1"] = bound
+            by_len = ", ".join(f"len {b}: {v['speedup']:.2f}x ({v['sentences']})"
+                               for b, v in sorted(r["greedy_b1_speedup_by_len"].items()))
+            print(f"  {name}: one call {cK:.2f} ms ({cK / c1:.2f}x a K=1 call); speed-up bound at this length if "
+                  f"a call cost what a K=1 call costs: {bound:.2f}x; greedy speed-up by K=1 output length: {by_len}")
+    results_analysis = {"encoder_ms": E, "k1_call_ms": c1}
+    print()
     ok = True
     for mode in ("greedy", "beam4"):
         for K, target in TARGETS[mode].items():
@@ -268,7 +329,8 @@ def main():
         print(f"target ours K=1 vs fairseq SequenceGenerator, {mode} batch 1: >= 0.95, measured {ratio:.2f}  {flag}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"results": results, "params": n_params, "load": [load_before, load_after]}, f, indent=1)
+            json.dump({"results": results, "analysis": results_analysis, "params": n_params,
+                       "load": [load_before, load_after]}, f, indent=1)
     return 0 if ok else 1
 
 

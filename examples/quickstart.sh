@@ -60,7 +60,6 @@ if [ -n "$DIRECTION" ]; then SRC="${DIRECTION%-*}"; TGT="${DIRECTION#*-}"; fi
 PREP_ARGS=()
 if [ "$SMOKE" = 1 ]; then
   PREP_ARGS+=(--max-test-lines 100)
-  TRAIN_ARGS+=(--max-update 20)
   GEN_ARGS+=(--max-len-a 0 --max-len-b 16)
 fi
 
@@ -71,6 +70,28 @@ CKPT="$WORKDIR/checkpoints/$ARCH-$SRC-$TGT"
 OUTDIR="$WORKDIR/out/$ARCH-$SRC-$TGT"
 mkdir -p "$DATA" "$CKPT" "$OUTDIR"
 step() { printf '\n==> [quickstart %s %s-%s] %s\n' "$ARCH" "$SRC" "$TGT" "$*"; }
+# train_model BIN SAVE_DIR ARGS...: fairseq-train for --minutes (--smoke: 20 updates) with the quickstart's
+# common options; arch files use it too (e.g. the SAT teacher)
+train_model() {
+  local bin="$1" save_dir="$2"; shift 2
+  local budget=(--stop-time-hours "$(python -c "print($MINUTES / 60)")")
+  if [ "$SMOKE" = 1 ]; then budget+=(--max-update 20); fi
+  fairseq-train "$bin" --user-dir "$ROOT/fairseq_ext" --source-lang "$SRC" --target-lang "$TGT" \
+    --save-dir "$save_dir" "${budget[@]}" --keep-last-epochs "$AVERAGE_LAST" \
+    --no-save-optimizer-state --log-format tqdm --log-interval 50 --num-workers 0 --seed 1 "$@"
+}
+# average_last CKPT: CKPT/checkpoint_avg.pt = mean of the last AVERAGE_LAST epoch checkpoints
+average_last() {
+  local ckpt="$1" n
+  n=$(ls "$ckpt" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
+  n=$(( n < AVERAGE_LAST ? n : AVERAGE_LAST ))
+  if [ "$n" -ge 1 ]; then
+    python -m fairseq_ext.average_checkpoints --inputs "$ckpt" --num-epoch-checkpoints "$n" \
+      --output "$ckpt/checkpoint_avg.pt"
+  else
+    cp "$ckpt/checkpoint_last.pt" "$ckpt/checkpoint_avg.pt"
+  fi
+}
 SECONDS=0
 
 step "1/6 corpus and joint sentencepiece BPE (8k) in $DATA"
@@ -91,25 +112,14 @@ if declare -F arch_prepare >/dev/null; then arch_prepare; fi
 
 if [ ! -f "$CKPT/.done" ]; then
   step "3/6 fairseq-train --arch $ARCH for at most $MINUTES minutes (checkpoints in $CKPT)"
-  fairseq-train "$BIN" --user-dir "$ROOT/fairseq_ext" --task "$TASK" --arch "$ARCH" \
-    --source-lang "$SRC" --target-lang "$TGT" --save-dir "$CKPT" \
-    --stop-time-hours "$(python -c "print($MINUTES / 60)")" --keep-last-epochs "$AVERAGE_LAST" \
-    --no-save-optimizer-state --log-format tqdm --log-interval 50 --num-workers 0 --seed 1 \
-    "${TRAIN_ARGS[@]}"
+  train_model "$BIN" "$CKPT" --task "$TASK" --arch "$ARCH" "${TRAIN_ARGS[@]}"
   touch "$CKPT/.done"
 else
   step "3/6 model already trained in $CKPT (delete it to retrain)"
 fi
 
 step "4/6 average the last $AVERAGE_LAST epoch checkpoints"
-n_epochs=$(ls "$CKPT" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
-n_avg=$(( n_epochs < AVERAGE_LAST ? n_epochs : AVERAGE_LAST ))
-if [ "$n_avg" -ge 1 ]; then
-  python -m fairseq_ext.average_checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$n_avg" \
-    --output "$CKPT/checkpoint_avg.pt"
-else
-  cp "$CKPT/checkpoint_last.pt" "$CKPT/checkpoint_avg.pt"
-fi
+average_last "$CKPT"
 
 step "5/6 fairseq-generate the test set (${GEN_ARGS[*]}) and score with sacreBLEU"
 fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" --task "$TASK" --source-lang "$SRC" --target-lang "$TGT" \

@@ -31,26 +31,21 @@ arch_prepare() {
   mkdir -p "$teacher" "$kd"
   if [ ! -f "$teacher/.done" ]; then
     step "SAT 1/3: teacher (fairseq transformer, same size) for $MINUTES minutes in $teacher"
-    fairseq-train "$BIN" --user-dir "$ROOT/fairseq_ext" --task translation --arch transformer \
-      --source-lang "$SRC" --target-lang "$TGT" --save-dir "$teacher" \
-      --stop-time-hours "$(python -c "print($MINUTES / 60)")" --keep-last-epochs "$AVERAGE_LAST" \
-      --no-save-optimizer-state --log-format tqdm --log-interval 50 --num-workers 0 --seed 1 \
-      "${SAT_MODEL_ARGS[@]}" "${SAT_OPT_ARGS[@]}"
-    n=$(ls "$teacher" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
-    n=$(( n < AVERAGE_LAST ? n : AVERAGE_LAST ))
-    if [ "$n" -ge 1 ]; then
-      python -m fairseq_ext.average_checkpoints --inputs "$teacher" --num-epoch-checkpoints "$n" \
-        --output "$teacher/checkpoint_avg.pt"
-    else
-      cp "$teacher/checkpoint_last.pt" "$teacher/checkpoint_avg.pt"
-    fi
+    train_model "$BIN" "$teacher" --task translation --arch transformer "${SAT_MODEL_ARGS[@]}" "${SAT_OPT_ARGS[@]}"
+    average_last "$teacher"
     touch "$teacher/.done"
   fi
   if [ ! -f "$kdbin/.done" ]; then
     step "SAT 2/3: sequence-level distillation: the teacher translates the training set (beam $SAT_KD_BEAM)"
+    # --smoke: distil 1/50 of the training set (~250 sentences; fairseq-generate shards by the distributed
+    # rank, not --num-shards), greedy and at most 16 words
+    local KD_ARGS=(--beam "$SAT_KD_BEAM" --max-len-a 1.2 --max-len-b 10)
+    if [ "$SMOKE" = 1 ]; then
+      KD_ARGS=(--beam 1 --max-len-a 0 --max-len-b 16 --distributed-world-size 50 --distributed-rank 0)
+    fi
     fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" --task translation --source-lang "$SRC" \
-      --target-lang "$TGT" --path "$teacher/checkpoint_avg.pt" --gen-subset train --beam "$SAT_KD_BEAM" \
-      --max-len-a 1.2 --max-len-b 10 --batch-size 256 --num-workers 0 > "$kd/generate-train.txt"
+      --target-lang "$TGT" --path "$teacher/checkpoint_avg.pt" --gen-subset train "${KD_ARGS[@]}" \
+      --batch-size 256 --num-workers 0 > "$kd/generate-train.txt"
     python -m fairseq_ext.scripts.sat_distill --generate-output "$kd/generate-train.txt" \
       --source "$DATA/train.spm.$SRC" --out-prefix "$kd/train" --source-lang "$SRC" --target-lang "$TGT"
     rm -rf "$kdbin"
