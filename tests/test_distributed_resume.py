@@ -23,6 +23,7 @@ checkpoint, inside a save) so that the test kills it there deterministically.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -481,10 +482,12 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(server, data, tmp_pat
 def test_long_run_check_small_mode(data, tmp_path):
     out = run_module("fairseq_ext.scripts.long_run_check", [
         "--arch", "transformer", "--data", data["dir"], "--source-lang", "in", "--target-lang", "out",
-        "--tiny", "--minutes", "0.05", "--kills", "1", "--workdir", str(tmp_path), "--save-interval-updates", "2",
+        "--tiny", "--minutes", "0.05", "--kills", "1", "--kill-every", "0.3", "--workdir", str(tmp_path),
+        "--save-interval-updates", "2",
         "--max-tokens", "200",
     ], timeout=300).stdout
-    assert "kills: 1" in out, out
-    assert "resumed from update" in out, out
-    assert "max abs parameter difference: 0" in out, out
-    assert "OK" in out.splitlines()[-1], out
+    resumed = re.search(r"^kills: 1; resumed from update \[(\d+)\]; both runs end at update (\d+)$", out, re.M)
+    assert resumed and 0 < int(resumed.group(1)) < int(resumed.group(2)), out  # it did resume from a checkpoint
+    assert re.search(r"^logged losses compared: \d+ records of the interrupted segments, 0 differ", out, re.M), out
+    assert re.search(r"^max abs parameter difference: 0 over \d+ tensors", out, re.M), out
+    assert out.splitlines()[-1].startswith("OK: 1 kills and resumes"), out
