@@ -16,6 +16,18 @@ TINY_TRANSFORMER = [
 ]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny in-process models: one intra-op thread is faster than two fighting over a shared
+    machine (use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_transformer_dir(tmp_path_factory):
     """Dummy data binarised, and fairseq's own ``transformer`` trained for 2 epochs through
