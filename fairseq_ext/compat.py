@@ -223,7 +223,7 @@ def _dictionary_mismatch(filenames, task, exc):
         dict_file = os.path.join(data, f"dict.{lang}.txt") if lang else f"the {side} dictionary of {data}"
         return DictionaryMismatchError(
             f"the {side} dictionary {dict_file} ({len(dictionary)} symbols) does not match checkpoint {ckpt} "
-            f"({name} has {saved.split(',')[0].strip()} rows there): decode with the dictionaries the model was "
+            f"({name} has {saved.split(',')[0].strip()} rows there): use the dictionaries the model was "
             f"trained with (binarise new data with fairseq-preprocess --srcdict/--tgtdict of the training data's "
             f"dict files)")
     return DictionaryMismatchError(
@@ -249,6 +249,31 @@ def _wrap_load_model_ensemble_and_task(checkpoint_utils):
     load_model_ensemble_and_task._fairseq_ext_wrapped = True
     load_model_ensemble_and_task.__doc__ = original.__doc__
     checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
+
+
+def _wrap_trainer_load_checkpoint():
+    """``fairseq-train --restore-file`` with data whose dictionaries are not the checkpoint's: fairseq's Trainer
+    replaces torch's size-mismatch error by "Cannot load model parameters ... ensure that the architectures
+    match" (with a traceback); say which dictionary file does not fit, in one line."""
+    from fairseq.trainer import Trainer
+
+    original = Trainer.load_checkpoint
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def load_checkpoint(self, filename, *args, **kwargs):
+        try:
+            return original(self, filename, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - only fairseq's wrapped size mismatch is mapped
+            cause = exc.__context__
+            mapped = _dictionary_mismatch([filename], self.task, cause) if isinstance(cause, RuntimeError) else None
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    load_checkpoint._fairseq_ext_wrapped = True
+    load_checkpoint.__doc__ = original.__doc__
+    Trainer.load_checkpoint = load_checkpoint
 
 
 def _make_checkpoint_copies_atomic():
@@ -377,6 +402,7 @@ def install():
 
     _wrap_load_checkpoint_to_cpu(checkpoint_utils)
     _wrap_load_model_ensemble_and_task(checkpoint_utils)
+    _wrap_trainer_load_checkpoint()
     _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
     _ddp_on_cpu()

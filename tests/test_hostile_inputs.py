@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.conftest import TINY_TRANSFORMER
 from tests.helpers import USER_DIR, create_dummy_data, run_cli
 
 TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
@@ -178,6 +179,9 @@ def runs(request, tmp_path_factory):
                                     check=False),
             "resume": lambda: run_cli("train", [data, "--arch", "transformer_iwslt_de_en", "--save-dir", resume]
                                       + TINY + COMMON, check=False),
+            "resume_dict": lambda: run_cli("train", [other, "--arch", "transformer_iwslt_de_en", "--save-dir",
+                                                     os.path.join(w, "resume_dict"), "--restore-file", ckpt]
+                                           + TINY_TRANSFORMER + COMMON, check=False),
         }
         futures.update({name: pool.submit(job) for name, job in dependent.items()})
         results = {name: f.result() for name, f in futures.items()}
@@ -303,3 +307,12 @@ def test_training_does_not_resume_from_or_replace_a_corrupted_checkpoint(runs):
     assert_one_line_error(runs["results"]["resume"], f"checkpoint {path} is truncated or corrupted",
                           "use another checkpoint")
     assert _tree(os.path.join(runs["w"], "resume")) == runs["before"]["resume"]  # same bytes, nothing new
+
+
+def test_training_resumed_with_a_dictionary_that_does_not_match_the_checkpoint(runs):
+    other = os.path.join(runs["w"], "other_dict")
+    assert_one_line_error(runs["results"]["resume_dict"],
+                          f"source dictionary {os.path.join(other, 'dict.in.txt')} (14 symbols)",
+                          f"does not match checkpoint {runs['ckpt']}", "--srcdict/--tgtdict")
+    assert _tree(os.path.join(runs["w"], "resume_dict")) == {}  # nothing saved
+    assert _tree(runs["data"]) == runs["before"]["data"]
