@@ -27,6 +27,7 @@ and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fai
 import argparse
 import collections
 import enum
+import functools
 import os
 import pickle
 import re
@@ -181,23 +182,25 @@ def atomic_torch_save(obj, path):
             os.remove(tmp)
 
 
-def _wrap_load_checkpoint_to_cpu(checkpoint_utils):
-    original = checkpoint_utils.load_checkpoint_to_cpu
+def _map_errors(owner, name, classify):
+    """Replace ``owner.name`` by a wrapper that turns the errors ``classify(exc, *args, **kwargs)`` recognises
+    into the FairseqExtError it returns (one line, no traceback) and re-raises any other unchanged; idempotent."""
+    original = getattr(owner, name)
     if getattr(original, "_fairseq_ext_wrapped", False):
         return
 
-    def load_checkpoint_to_cpu(path, *args, **kwargs):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
         try:
-            return original(path, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - classified below, re-raised when unknown
-            mapped = _check_readable(path, exc)
+            return original(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unchanged unless classify maps it
+            mapped = classify(exc, *args, **kwargs)
             if mapped is None:
                 raise
             raise mapped from None
 
-    load_checkpoint_to_cpu._fairseq_ext_wrapped = True
-    load_checkpoint_to_cpu.__doc__ = original.__doc__
-    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+    wrapper._fairseq_ext_wrapped = True
+    setattr(owner, name, wrapper)
 
 
 _SIZE_MISMATCH = re.compile(
@@ -232,48 +235,17 @@ def _dictionary_mismatch(filenames, task, exc):
         f"(check --model-overrides and the data directory)")
 
 
-def _wrap_load_model_ensemble_and_task(checkpoint_utils):
-    original = checkpoint_utils.load_model_ensemble_and_task
-    if getattr(original, "_fairseq_ext_wrapped", False):
-        return
-
-    def load_model_ensemble_and_task(filenames, arg_overrides=None, task=None, *args, **kwargs):
-        try:
-            return original(filenames, arg_overrides, task, *args, **kwargs)
-        except RuntimeError as exc:
-            mapped = _dictionary_mismatch(filenames, task, exc)
-            if mapped is None:
-                raise
-            raise mapped from None
-
-    load_model_ensemble_and_task._fairseq_ext_wrapped = True
-    load_model_ensemble_and_task.__doc__ = original.__doc__
-    checkpoint_utils.load_model_ensemble_and_task = load_model_ensemble_and_task
+def _ensemble_mismatch(exc, filenames, arg_overrides=None, task=None, *args, **kwargs):
+    """load_model_ensemble_and_task (fairseq-generate, -interactive, -validate, hub) with a data directory whose
+    dictionaries do not fit the checkpoint: torch's size mismatch -> one line."""
+    return _dictionary_mismatch(filenames, task, exc) if isinstance(exc, RuntimeError) else None
 
 
-def _wrap_trainer_load_checkpoint():
-    """``fairseq-train --restore-file`` with data whose dictionaries are not the checkpoint's: fairseq's Trainer
-    replaces torch's size-mismatch error by "Cannot load model parameters ... ensure that the architectures
-    match" (with a traceback); say which dictionary file does not fit, in one line."""
-    from fairseq.trainer import Trainer
-
-    original = Trainer.load_checkpoint
-    if getattr(original, "_fairseq_ext_wrapped", False):
-        return
-
-    def load_checkpoint(self, filename, *args, **kwargs):
-        try:
-            return original(self, filename, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - only fairseq's wrapped size mismatch is mapped
-            cause = exc.__context__
-            mapped = _dictionary_mismatch([filename], self.task, cause) if isinstance(cause, RuntimeError) else None
-            if mapped is None:
-                raise
-            raise mapped from None
-
-    load_checkpoint._fairseq_ext_wrapped = True
-    load_checkpoint.__doc__ = original.__doc__
-    Trainer.load_checkpoint = load_checkpoint
+def _restore_mismatch(exc, trainer, filename, *args, **kwargs):
+    """``fairseq-train --restore-file`` with such data: fairseq's Trainer replaces torch's size mismatch by
+    "Cannot load model parameters ... ensure that the architectures match"; its cause says which tensor."""
+    cause = exc.__context__
+    return _dictionary_mismatch([filename], trainer.task, cause) if isinstance(cause, RuntimeError) else None
 
 
 def _make_checkpoint_copies_atomic():
@@ -400,9 +372,11 @@ def install():
 
     from fairseq.data import data_utils
 
-    _wrap_load_checkpoint_to_cpu(checkpoint_utils)
-    _wrap_load_model_ensemble_and_task(checkpoint_utils)
-    _wrap_trainer_load_checkpoint()
+    from fairseq.trainer import Trainer
+
+    _map_errors(checkpoint_utils, "load_checkpoint_to_cpu", lambda exc, path, *a, **k: _check_readable(path, exc))
+    _map_errors(checkpoint_utils, "load_model_ensemble_and_task", _ensemble_mismatch)
+    _map_errors(Trainer, "load_checkpoint", _restore_mismatch)
     _keep_last_batch(data_utils)
     _make_checkpoint_copies_atomic()
     _ddp_on_cpu()
