@@ -42,6 +42,7 @@ from fairseq.modules import FairseqDropout, LayerNorm
 from torch import Tensor
 
 from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.modules.decoder_input import embed_decoder_input, newest_positions
 
 logger = logging.getLogger(__name__)
 
@@ -449,23 +450,8 @@ class BertJamDecoder(TransformerDecoderBase):
         bert_mask = encoder_out["bert_padding_mask"][0]
         bert_order = encoder_out["bert_order"][0] if len(encoder_out.get("bert_order", [])) else None
 
-        positions = None
-        if self.embed_positions is not None:
-            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
-        if incremental_state is not None:
-            prev_output_tokens = prev_output_tokens[:, -1:]
-            if positions is not None:
-                positions = positions[:, -1:]
-        x = self.embed_scale * self.embed_tokens(prev_output_tokens.contiguous())
-        if self.quant_noise is not None:
-            x = self.quant_noise(x)
-        if self.project_in_dim is not None:
-            x = self.project_in_dim(x)
-        if positions is not None:
-            x = x + positions
-        if self.layernorm_embedding is not None:
-            x = self.layernorm_embedding(x)
-        x = self.dropout_module(x).transpose(0, 1)  # D^0: T x B x C
+        prev_output_tokens, positions = newest_positions(self, prev_output_tokens, incremental_state)
+        x = embed_decoder_input(self, prev_output_tokens, positions)  # D^0: T x B x C
 
         self_padding_mask = None
         if incremental_state is None and prev_output_tokens.eq(self.padding_idx).any():

@@ -71,6 +71,7 @@ from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
 from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.modules.decoder_input import embed_decoder_input, newest_positions
 
 logger = logging.getLogger(__name__)
 
@@ -377,21 +378,8 @@ class MSCDecoder(TransformerDecoderBase):
         if padding_mask is not None and not padding_mask.any():
             padding_mask = None
 
-        positions = None
-        if self.embed_positions is not None:
-            positions = self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
-        if incremental_state is not None:
-            prev_output_tokens = prev_output_tokens[:, -1:]
-            if positions is not None:
-                positions = positions[:, -1:]
-        x = self.embed_scale * self.embed_tokens(prev_output_tokens.contiguous())
-        if self.project_in_dim is not None:
-            x = self.project_in_dim(x)
-        if positions is not None:
-            x = x + positions
-        if self.layernorm_embedding is not None:
-            x = self.layernorm_embedding(x)
-        x = self.dropout_module(x).transpose(0, 1)  # B_d^0, T x B x C
+        prev_output_tokens, positions = newest_positions(self, prev_output_tokens, incremental_state)
+        x = embed_decoder_input(self, prev_output_tokens, positions)  # B_d^0, T x B x C
 
         self_attn_padding_mask = None
         if prev_output_tokens.eq(self.padding_idx).any():

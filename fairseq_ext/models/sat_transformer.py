@@ -37,6 +37,7 @@ from fairseq.models.transformer.transformer_legacy import (
 )
 
 from fairseq_ext.compat import FairseqExtError
+from fairseq_ext.modules.decoder_input import embed_decoder_input
 
 logger = logging.getLogger(__name__)
 
@@ -157,19 +158,7 @@ class SATDecoder(TransformerDecoderBase):
                 positions = self._new_positions(prev_output_tokens, incremental_state, n_cached)
         tokens = prev_output_tokens[:, n_cached:].contiguous()
 
-        x = self.embed_scale * self.embed_tokens(tokens)
-        if self.quant_noise is not None:
-            x = self.quant_noise(x)
-        if self.project_in_dim is not None:
-            x = self.project_in_dim(x)
-        if positions is not None:
-            x += positions
-        if self.layernorm_embedding is not None:
-            x = self.layernorm_embedding(x)
-        x = self.dropout_module(x)
-
-        # B x T x C -> T x B x C
-        x = x.transpose(0, 1)
+        x = embed_decoder_input(self, tokens, positions)  # T x B x C
 
         self_attn_padding_mask: Optional[Tensor] = None
         if self.cross_self_attention or tokens.eq(self.padding_idx).any():
