@@ -1,4 +1,4 @@
-"""benchmarks/compare.py --smoke end to end (issue #7): every model trained (8 updates, tiny sizes) and measured
+"""benchmarks/compare.py --smoke end to end (issue #7): every model trained (16 updates, tiny sizes) and measured
 on a 300-sentence slice of the bundled corpus, results.json / RESULTS.md / the PNG figures written, the
 hand-written commentary of RESULTS.md kept, and a re-run that skips every finished model."""
 
@@ -50,15 +50,15 @@ def test_every_model_has_every_metric(smoke):
     res = json.loads((smoke["docs"] / "results.json").read_text())
     assert res == json.loads((smoke["work"] / "results.json").read_text())
     assert list(res["models"]) == ALL
-    assert res["meta"]["smoke"] is True and res["meta"]["max_update"] == 8
+    assert res["meta"]["smoke"] is True and res["meta"]["max_update"] == 16
     for name, r in res["models"].items():
         for key in compare.RESULT_KEYS:
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (name, key, r.get(key))
-        assert r["train_updates"] == 8, name  # --max-update 8 binds before the smoke time budget
-        # 8 updates are more than an epoch of the 300 smoke sentences: the epoch checkpoint and the last one are
-        # averaged; fconv_glu (4 batches of 4000 tokens per epoch) ends exactly with epoch 2, whose checkpoint is
-        # then the last one and is not counted twice
-        expected = ["checkpoint1.pt", "checkpoint2.pt"] if name == "fconv_glu" else ["checkpoint1.pt", "checkpoint_last.pt"]
+        assert r["train_updates"] == 16, name  # --max-update 16 binds before the smoke time budget
+        # 16 updates are more than an epoch of the 300 smoke sentences (10-13 batches of 1024 tokens): the epoch
+        # checkpoint and the last one are averaged; fconv_glu (4 batches of 4000 tokens per epoch) ends exactly
+        # with epoch 4, whose checkpoint is then the last one and is not counted twice
+        expected = ["checkpoint3.pt", "checkpoint4.pt"] if name == "fconv_glu" else ["checkpoint1.pt", "checkpoint_last.pt"]
         assert r["averaged_checkpoints"] == expected, name
         for key in compare.RESULT_KEYS:
             if not key.startswith("bleu"):
@@ -72,7 +72,7 @@ def test_every_model_has_every_metric(smoke):
     for name, base in (("transformer", "transformer"), ("sat_k2", "transformer"), ("bert_jam", "transformer_en_de"),
                        ("transformer_en_de", "transformer_en_de")):
         for key in compare.RATIO_KEYS:
-            if models[base][key] == 0:  # BLEU 0 after 8 updates: no ratio
+            if models[base][key] == 0:  # BLEU 0 after 16 updates: no ratio
                 assert ratios[name][key] is None
             else:
                 assert ratios[name][key] == pytest.approx(models[name][key] / models[base][key])
@@ -85,7 +85,7 @@ def test_results_md_and_figures(smoke):
     text = (smoke["docs"] / "RESULTS.md").read_text()
     res = json.loads((smoke["docs"] / "results.json").read_text())
     for r in res["models"].values():
-        assert f"| {r['label']} | {r['direction']} | 8 |" in text
+        assert f"| {r['label']} | {r['direction']} | 16 |" in text
     assert "smoke mode" in text and "## The papers' claims at this scale" in text
     assert "test sentences scored: 20; distilling the training set for the SAT students took" in text
     assert "**SAT K=2**" in text and "**BERT-JAM (phase 1) vs its transformer baseline" in text
@@ -98,7 +98,7 @@ def test_results_md_and_figures(smoke):
 def test_progress_display(smoke):
     out = smoke["first"].stdout
     for i in range(len(ALL)):
-        assert f"[compare] {i}/{len(ALL)} models done | {ALL[i]}: decoding the test set, update 8 |" in out
+        assert f"[compare] {i}/{len(ALL)} models done | {ALL[i]}: decoding the test set, update 16 |" in out
     assert "sat: distilling the training set with the averaged baseline (beam 4)" in out
 
 
