@@ -1,6 +1,6 @@
 """Train and measure every architecture on the bundled German-English corpus, in one command (issue #7).
 
-    python benchmarks/compare.py [--minutes-per-model 15] [--workdir work/compare] [--only a,b] [--smoke]
+    python benchmarks/compare.py [--minutes-per-model 12] [--workdir work/compare] [--only a,b] [--smoke]
                                  [--docs-dir docs] [--latency-sentences 100] [--threads 2] [--eval-threads 1]
 
 Models (``--only`` takes these names; a SAT student needs the ``transformer`` baseline, its teacher):
@@ -906,7 +906,7 @@ def write_results_md(path, out, figures):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes-per-model", type=float, default=None,
-                   help="wall-clock training budget of every model (default 15: about 3 hours in all on 2 cores; "
+                   help="wall-clock training budget of every model (default 12: about 2 hours in all on 2 cores; "
                         "--smoke: 2, with --max-update 16)")
     p.add_argument("--workdir", default=None, help="data, checkpoints, logs (default work/compare; --smoke: "
                                                    "work/compare-smoke)")
@@ -922,7 +922,7 @@ def parse_args(argv=None):
     p.add_argument("--eval-threads", type=int, default=1, help="torch threads of decoding (default 1)")
     a = p.parse_args(argv)
     if a.minutes_per_model is None:
-        a.minutes_per_model = 2.0 if a.smoke else 15.0  # smoke: --max-update stops it long before
+        a.minutes_per_model = 2.0 if a.smoke else 12.0  # smoke: --max-update stops it long before
     if a.threads is None:
         a.threads = 1 if a.smoke else 2
     if a.max_update is None and a.smoke:
