@@ -25,8 +25,9 @@ from fairseq.data import Dictionary, data_utils  # noqa: E402
 from fairseq.sequence_generator import SequenceGenerator  # noqa: E402
 from fairseq.tasks.translation import TranslationTask  # noqa: E402
 
-from fairseq_ext.models.bert_jam import BertJamModel  # noqa: E402
-from fairseq_ext.tasks.translation_bert import BertInputBuilder, TranslationBertTask  # noqa: E402
+from fairseq_ext.bert_jam.model import BertJamModel  # noqa: E402
+from fairseq_ext.bert_jam.bert import BertInputBuilder  # noqa: E402
+from fairseq_ext.bert_jam.task import TranslationBertTask  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ per-round ratios and their median, so a loaded machine slows both alike:
   memory; deterministic on CPU, where no allocator statistics exist), plus ``torch.cuda.max_memory_allocated``
   when run on a GPU.
 
-Data: ``python -m fairseq_ext.scripts.prepare_bundled_corpus`` (joint 8k BPE) and fairseq-preprocess, cached in
+Data: ``python tools/prepare_bundled_corpus.py`` (joint 8k BPE) and fairseq-preprocess, cached in
 --workdir.
 """
 
@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 def prepare(workdir):
     data, bin_dir = os.path.join(workdir, "data"), os.path.join(workdir, "bin")
-    subprocess.run([sys.executable, "-m", "fairseq_ext.scripts.prepare_bundled_corpus", "--out", data,
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"), "--out", data,
                     "--vocab-size", "8000"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     if not os.path.isfile(os.path.join(bin_dir, ".done")):
         subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
@@ -55,7 +55,7 @@ def build(bin_dir, device):
     from fairseq.models.fconv import FConvModel
     from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-    from fairseq_ext.models.fconv_glu import FConvGluModel
+    from fairseq_ext.convs2s.model import FConvGluModel
 
     task = TranslationTask.setup_task(TranslationConfig(
         data=bin_dir, source_lang="de", target_lang="en", train_subset="train", dataset_impl=None,

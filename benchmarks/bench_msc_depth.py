@@ -38,7 +38,7 @@ def _build(arch, vocab=10000):
     from fairseq.models import ARCH_CONFIG_REGISTRY
 
     import fairseq_ext  # noqa: F401
-    from fairseq_ext.models.msc_transformer import MSCTransformerModel
+    from fairseq_ext.msc.model import MSCTransformerModel
 
     d = Dictionary()
     for i in range(vocab - len(d)):
@@ -141,7 +141,7 @@ PEAK = ("import resource, sys\n"
 def _prepare_data(workdir):
     data, bin_dir = os.path.join(workdir, "data"), os.path.join(workdir, "bin-de-en")
     if not os.path.isfile(os.path.join(bin_dir, "dict.de.txt")):
-        subprocess.run([sys.executable, "-m", "fairseq_ext.scripts.prepare_bundled_corpus", "--out", data,
+        subprocess.run([sys.executable, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"), "--out", data,
                         "--vocab-size", "10000"], check=True, cwd=ROOT)
         subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
                         "--trainpref", f"{data}/train.spm", "--validpref", f"{data}/valid.spm", "--destdir", bin_dir,

@@ -88,7 +88,7 @@ def ensure_models(args):
     per K initialised from the teacher; every step is skipped when its output exists."""
     W, py = args.workdir, sys.executable
     data, bin_ = os.path.join(W, "data"), os.path.join(W, "bin-de-en")
-    sh([py, "-m", "fairseq_ext.scripts.prepare_bundled_corpus", "--out", data, "--vocab-size", "8000"])
+    sh([py, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"), "--out", data, "--vocab-size", "8000"])
     if not os.path.isfile(os.path.join(bin_, ".done")):
         sh([py, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
             "--trainpref", f"{data}/train.spm", "--validpref", f"{data}/valid.spm", "--testpref", f"{data}/test.spm",
@@ -111,7 +111,7 @@ def ensure_models(args):
                 sh([py, "-m", "fairseq_cli.generate", bin_, "--user-dir", user_dir, "--task", "translation_sat",
                     "--path", teacher, "--gen-subset", "train", "--beam", str(args.kd_beam), "--max-len-a", "1.2",
                     "--max-len-b", "10", "--batch-size", "256", "--num-workers", "0"], stdout=f)
-            sh([py, "-m", "fairseq_ext.scripts.sat_distill", "--generate-output", f"{kd}/generate-train.txt",
+            sh([py, "-m", "fairseq_ext.sat.distill", "--generate-output", f"{kd}/generate-train.txt",
                 "--source", f"{data}/train.spm.de", "--out-prefix", f"{kd}/train", "--source-lang", "de",
                 "--target-lang", "en"])
             sh([py, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en", "--trainpref",
@@ -150,7 +150,7 @@ def main():
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext.generators.sat_generator import SATSequenceGenerator
+    from fairseq_ext.sat.generator import SATSequenceGenerator
 
     overrides = {"data": bin_}
 

@@ -180,18 +180,18 @@ def _module_main(module, argv):
 def _average(ckpt_dir, output):
     """Average the newest two epoch checkpoints and checkpoint_last (when it is newer), as the quickstart's
     averaging but without dropping the updates of a last, unfinished epoch."""
-    from fairseq_ext import compat
+    from fairseq_ext import checkpoint_io
     from fairseq_ext.average_checkpoints import average_checkpoints
 
     def updates(path):
-        return compat.load_checkpoint_file(path)["optimizer_history"][-1]["num_updates"]
+        return checkpoint_io.load_checkpoint_file(path)["optimizer_history"][-1]["num_updates"]
 
     epochs = sorted((int(m.group(1)), n) for n in os.listdir(ckpt_dir) if (m := re.fullmatch(r"checkpoint(\d+)\.pt", n)))
     paths = [os.path.join(ckpt_dir, n) for _, n in epochs[-2:]]
     last = os.path.join(ckpt_dir, "checkpoint_last.pt")
     if not paths or updates(last) != updates(paths[-1]):
         paths.append(last)
-    compat.atomic_torch_save(average_checkpoints(paths), output)
+    checkpoint_io.atomic_torch_save(average_checkpoints(paths), output)
     return {"averaged": [os.path.basename(p) for p in paths]}
 
 
@@ -368,7 +368,7 @@ class Compare:
         if not os.path.isfile(os.path.join(self.data, "spm.model")) or not os.path.isfile(
                 os.path.join(self.data, "test.spm.en")):
             self.say("data: corpus and joint sentencepiece BPE")
-            self.runner.run("module", ("fairseq_ext.scripts.prepare_bundled_corpus", argv),
+            self.runner.run("module", ("tools.prepare_bundled_corpus", argv),
                             os.path.join(self.W, "compare", "logs", "prepare.log"), "corpus preparation")
         for src, tgt in directions:
             b = os.path.join(self.W, f"bin-{src}-{tgt}")
@@ -392,7 +392,7 @@ class Compare:
         if os.path.isfile(os.path.join(b, f"bert_input.{spec.src}.json")):
             return
         self.say(f"data: BERT input with {minilm}")
-        self.runner.run("module", ("fairseq_ext.scripts.bert_prepare", [
+        self.runner.run("module", ("fairseq_ext.bert_jam.prepare", [
             b, "--source-lang", spec.src, "--target-lang", spec.tgt, "--bert-model-name", minilm,
             "--trainpref", f"{self.data}/train.spm", "--validpref", f"{self.data}/valid.spm",
             "--testpref", f"{self.data}/test.spm"]), self.log("bert_jam", "bert_prepare"), "bert_prepare")
@@ -414,7 +414,7 @@ class Compare:
             "--path", teacher_ckpt, "--gen-subset", "train", "--beam", "4", *self.kd_bound(),
             "--batch-size", "256", "--num-workers", "0", "--results-path", kd]), self.log("kd", "generate"),
             "distillation decode")
-        self.runner.run("module", ("fairseq_ext.scripts.sat_distill", [
+        self.runner.run("module", ("fairseq_ext.sat.distill", [
             "--generate-output", f"{kd}/generate-train.txt", "--source", f"{self.data}/train.spm.de",
             "--out-prefix", f"{kd}/train", "--source-lang", "de", "--target-lang", "en"]),
             self.log("kd", "sat_distill"), "sat_distill")
@@ -608,7 +608,7 @@ class Compare:
             path = os.path.join(docs, "msc_grad_norms.png")
             argv = [self.log(n, "train") for n in msc] + [
                 "--out", path, "--labels", ",".join(results[n]["label"] for n in msc), "--max-updates", "2000"]
-            self.figure_job(path, msc, "fairseq_ext.scripts.msc_plot_grad_norms", argv, "MSC gradient-norm plot")
+            self.figure_job(path, msc, "fairseq_ext.msc.plot_grad_norms", argv, "MSC gradient-norm plot")
             figs["MSC per-layer gradient norms"] = path
         sats = [n for n in ("transformer", "sat_k2", "sat_k4", "sat_k6") if n in results]
         if len(sats) > 1:
@@ -617,7 +617,7 @@ class Compare:
                     "--target-lang", "en"]
             for n in sats:
                 argv += ["--path", os.path.join(self.ckpt_dir(n), "checkpoint_avg.pt"), "--label", results[n]["label"]]
-            self.figure_job(path, sats, "fairseq_ext.scripts.sat_position_ce", argv, "SAT position-wise cross-entropy")
+            self.figure_job(path, sats, "fairseq_ext.sat.position_ce", argv, "SAT position-wise cross-entropy")
             figs["SAT position-wise cross-entropy"] = path
         return figs
 

@@ -95,7 +95,7 @@ average_last() {
 SECONDS=0
 
 step "1/6 corpus and joint sentencepiece BPE (8k) in $DATA"
-python -m fairseq_ext.scripts.prepare_bundled_corpus --out "$DATA" --vocab-size 8000 "${PREP_ARGS[@]}"
+python tools/prepare_bundled_corpus.py --out "$DATA" --vocab-size 8000 "${PREP_ARGS[@]}"
 
 if [ ! -f "$BIN/.done" ]; then
   step "2/6 fairseq-preprocess into $BIN"

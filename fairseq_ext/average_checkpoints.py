@@ -8,7 +8,7 @@ does; that script is not installed by pip).
 Floating-point parameters are summed in float64 and divided once, so the result is the element-wise mean
 rounded once to the parameters' dtype; integer buffers get the floor of the mean, as in fairseq. Everything
 else in the output (config, task state, optimizer history) comes from the newest input. Inputs are read
-with the safe loader of :mod:`fairseq_ext.compat`, and the output is written atomically.
+with the safe loader of :mod:`fairseq_ext.checkpoint_io`, and the output is written atomically.
 """
 
 import argparse
@@ -19,23 +19,24 @@ import sys
 
 import torch
 
-from fairseq_ext import compat
+from fairseq_ext import checkpoint_io
+from fairseq_ext.errors import FairseqExtError, command
 
 
 def average_checkpoints(inputs):
     """Return the state of ``inputs[0]`` with ``model`` replaced by the mean over all inputs."""
     if not inputs:
-        raise compat.FairseqExtError("average_checkpoints: no input checkpoints")
+        raise FairseqExtError("average_checkpoints: no input checkpoints")
     sums, keys, new_state = collections.OrderedDict(), None, None
     for path in inputs:
-        state = compat.load_checkpoint_file(path)
+        state = checkpoint_io.load_checkpoint_file(path)
         if "model" not in state:
-            raise compat.FairseqExtError(f"average_checkpoints: {path} has no 'model' entry; is it a fairseq checkpoint?")
+            raise FairseqExtError(f"average_checkpoints: {path} has no 'model' entry; is it a fairseq checkpoint?")
         params = state["model"]
         if new_state is None:
             new_state, keys = state, list(params.keys())
         elif list(params.keys()) != keys:
-            raise compat.FairseqExtError(
+            raise FairseqExtError(
                 f"average_checkpoints: {path} holds parameters {sorted(set(params) ^ set(keys))[:5]} that "
                 f"{inputs[0]} does not (or misses some): average checkpoints of one model only"
             )
@@ -45,7 +46,7 @@ def average_checkpoints(inputs):
                 sums[k] = p.detach().to(torch.float64).clone() if p.is_floating_point() else p.detach().clone()
             else:
                 if p.shape != sums[k].shape:
-                    raise compat.FairseqExtError(
+                    raise FairseqExtError(
                         f"average_checkpoints: parameter {k} has shape {tuple(p.shape)} in {path} but "
                         f"{tuple(sums[k].shape)} in {inputs[0]}"
                     )
@@ -62,7 +63,7 @@ def average_checkpoints(inputs):
 def last_n_checkpoints(directory, n, update_based, upper_bound=None):
     """Paths of the newest ``n`` epoch (``checkpointE.pt``) or update (``checkpoint_E_U.pt``) checkpoints."""
     if not os.path.isdir(directory):
-        raise compat.FairseqExtError(
+        raise FairseqExtError(
             f"average_checkpoints: --inputs '{directory}' must be one directory when --num-*-checkpoints is given"
         )
     pattern = re.compile(r"checkpoint_\d+_(\d+)\.pt" if update_based else r"checkpoint(\d+)\.pt")
@@ -73,7 +74,7 @@ def last_n_checkpoints(directory, n, update_based, upper_bound=None):
             entries.append((int(m.group(1)), name))
     if len(entries) < n:
         kind = "update" if update_based else "epoch"
-        raise compat.FairseqExtError(
+        raise FairseqExtError(
             f"average_checkpoints: found {len(entries)} {kind} checkpoints in {directory} but "
             f"--num-{kind}-checkpoints asks for {n}"
             + (" (save them with --save-interval-updates)" if update_based else "")
@@ -81,6 +82,7 @@ def last_n_checkpoints(directory, n, update_based, upper_bound=None):
     return [os.path.join(directory, name) for _, name in sorted(entries, reverse=True)[:n]]
 
 
+@command
 def main(argv=None):
     p = argparse.ArgumentParser(description="Average the parameters of fairseq checkpoints.")
     p.add_argument("--inputs", required=True, nargs="+", help="checkpoint files, or one directory with "
@@ -92,22 +94,18 @@ def main(argv=None):
     p.add_argument("--checkpoint-upper-bound", type=int,
                    help="ignore checkpoints after this epoch (or update, with --num-update-checkpoints)")
     args = p.parse_args(argv)
-    try:
-        inputs = args.inputs
-        n = args.num_epoch_checkpoints or args.num_update_checkpoints
-        if n is not None:
-            if n < 1:
-                raise compat.FairseqExtError("average_checkpoints: the number of checkpoints must be >= 1")
-            if len(inputs) != 1:
-                raise compat.FairseqExtError("average_checkpoints: give one directory with --num-*-checkpoints")
-            inputs = last_n_checkpoints(inputs[0], n, args.num_update_checkpoints is not None,
-                                        args.checkpoint_upper_bound)
-        print("averaging checkpoints:", *inputs, sep="\n  ")
-        state = average_checkpoints(inputs)
-        compat.atomic_torch_save(state, args.output)
-    except compat.FairseqExtError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    inputs = args.inputs
+    n = args.num_epoch_checkpoints or args.num_update_checkpoints
+    if n is not None:
+        if n < 1:
+            raise FairseqExtError("average_checkpoints: the number of checkpoints must be >= 1")
+        if len(inputs) != 1:
+            raise FairseqExtError("average_checkpoints: give one directory with --num-*-checkpoints")
+        inputs = last_n_checkpoints(inputs[0], n, args.num_update_checkpoints is not None,
+                                    args.checkpoint_upper_bound)
+    print("averaging checkpoints:", *inputs, sep="\n  ")
+    state = average_checkpoints(inputs)
+    checkpoint_io.atomic_torch_save(state, args.output)
     print(f"wrote the average of {len(inputs)} checkpoints to {args.output}")
     return 0
 

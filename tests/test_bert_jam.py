@@ -11,66 +11,22 @@ import fairseq_ext  # noqa: F401  (registration)
 from fairseq.data import Dictionary
 from fairseq.modules import MultiheadAttention
 
-from fairseq_ext.compat import FairseqExtError
-from fairseq_ext.models.bert_jam import (
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.bert_jam.model import (
     BertJamModel,
     BertLayerComposition,
     JointMultiheadAttention,
 )
-from fairseq_ext.tasks.translation_bert import (
-    BertInputBuilder,
-    LanguagePairBertDataset,
-    TranslationBertConfig,
-    TranslationBertTask,
-    detect_bpe,
-    moses_detokenize,
-    remove_bpe,
-)
+from fairseq_ext.bert_jam.bert import BertInputBuilder, detect_bpe, moses_detokenize, remove_bpe
+from fairseq_ext.bert_jam.task import LanguagePairBertDataset, TranslationBertConfig, TranslationBertTask
+from tests.builders import TINY_BERT_LAYERS as BERT_LAYERS
+from tests.builders import bert_jam_build as build
+from tests.builders import letter_dict, write_tiny_bert
 from tests.helpers import assert_close
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
-BERT_LAYERS = 3
-
-
-def write_tiny_bert(path, seed=0):
-    """A random 3-layer BertModel (hidden 16) and an uncased WordPiece vocab of letters, saved offline."""
-    from transformers import BertConfig, BertModel, BertTokenizer
-
-    os.makedirs(path, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(LETTERS) + ["##" + c for c in LETTERS] + \
-        [".", ",", "!", "?", "'", "-", "hello", "world"]
-    with open(os.path.join(path, "vocab.txt"), "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(vocab), hidden_size=16, num_hidden_layers=BERT_LAYERS, num_attention_heads=2,
-                     intermediate_size=32, max_position_embeddings=24)
-    BertModel(cfg).save_pretrained(path)
-    BertTokenizer(os.path.join(path, "vocab.txt"), do_lower_case=True).save_pretrained(path)
-    return path
-
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory):
     return write_tiny_bert(str(tmp_path_factory.mktemp("tinybert")))
-
-
-def letter_dict(extra=()):
-    d = Dictionary()
-    for c in list(LETTERS) + list(extra):
-        d.add_symbol(c)
-    return d
-
-
-def build(tiny_bert, phase=1, composition="glu", dictionary=None, dropout=0.0, **overrides):
-    d = dictionary or letter_dict()
-    task = TranslationBertTask(TranslationBertConfig(bert_model_name=tiny_bert, source_lang="in",
-                                                     target_lang="out"), d, d)
-    args = argparse.Namespace(arch="bert_jam", encoder_embed_dim=32, encoder_ffn_embed_dim=48,
-                              encoder_attention_heads=4, encoder_layers=2, decoder_layers=2, decoder_embed_dim=32,
-                              decoder_ffn_embed_dim=48, decoder_attention_heads=4, dropout=dropout,
-                              bert_jam_phase=phase, bert_composition=composition, **overrides)
-    torch.manual_seed(1)
-    return BertJamModel.build_model(args, task), d
 
 
 def batch(d):
@@ -252,7 +208,7 @@ def test_alignment_weights_are_on_the_source_inside_the_joint_softmax(tiny_bert)
 
 
 def test_dropnet_branch_weights():
-    from fairseq_ext.models.bert_jam import BertJamDecoderLayer
+    from fairseq_ext.bert_jam.model import BertJamDecoderLayer
 
     layer = BertJamDecoderLayer.__new__(BertJamDecoderLayer)
     torch.nn.Module.__init__(layer)
@@ -314,7 +270,7 @@ def test_dataset_collates_bert_input_in_batch_order(tiny_bert):
     b = ds.collater([ds[i] for i in range(3)])
     assert b["id"].tolist() == [1, 2, 0]  # fairseq sorts by source length
     assert b["net_input"]["bert_input"].tolist() == [[2, 6, 3], [2, 7, 3], [2, 5, 3]]
-    with pytest.raises(FairseqExtError, match="bert_prepare"):
+    with pytest.raises(FairseqExtError, match="bert_jam.prepare"):
         LanguagePairBertDataset(base, ListDataset(berts[:2]), bert_pad=0)
 
 
@@ -336,7 +292,7 @@ def test_recipe_dry_run_parses_with_fairseq(recipe, arch, bert, gen):
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
     lines = [shlex.split(x) for x in out.splitlines() if x.strip()]
     assert [x[0] if x[0] != "python" else x[2] for x in lines] == [
-        "fairseq_ext.scripts.bert_prepare", "fairseq-train", "fairseq-train", "fairseq-train",
+        "fairseq_ext.bert_jam.prepare", "fairseq-train", "fairseq-train", "fairseq-train",
         "fairseq_ext.average_checkpoints", "fairseq-generate"]
     phases = []
     for argv in lines[1:4]:

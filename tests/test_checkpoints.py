@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fairseq_ext import average_checkpoints as avg
-from fairseq_ext import compat
+from fairseq_ext import checkpoint_io
 from tests.helpers import USER_DIR, run_cli, run_module
 
 
@@ -67,10 +67,10 @@ def test_malicious_checkpoint_is_refused_in_process(tmp_path):
     torch.save({"model": {}, "args": _Exploit(marker)}, path)
     from fairseq import checkpoint_utils
 
-    with pytest.raises(compat.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
+    with pytest.raises(checkpoint_io.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    with pytest.raises(compat.UnsafeCheckpointError):
-        compat.load_checkpoint_file(str(path))
+    with pytest.raises(checkpoint_io.UnsafeCheckpointError):
+        checkpoint_io.load_checkpoint_file(str(path))
     assert not marker.exists()
 
 
@@ -90,8 +90,8 @@ def test_damaged_checkpoint_gives_one_clear_line(tiny_transformer_dir, tmp_path,
     path = tmp_path / f"{damage}.pt"
     data = open(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), "rb").read()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
-    with pytest.raises(compat.CorruptCheckpointError, match="is truncated or corrupted, or not a checkpoint"):
-        compat.load_checkpoint_file(str(path))
+    with pytest.raises(checkpoint_io.CorruptCheckpointError, match="is truncated or corrupted, or not a checkpoint"):
+        checkpoint_io.load_checkpoint_file(str(path))
     if damage == "truncated":
         proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
         _assert_one_line_error(proc, "is truncated or corrupted", str(path))

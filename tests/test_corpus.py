@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from fairseq_ext.scripts import build_ding_corpus as ding
+from tools import build_ding_corpus as ding
 from tests.helpers import ROOT, run_module
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "ding_sample.txt")
@@ -44,7 +44,7 @@ def test_extraction_rules_on_fixture():
 def test_builder_cli_on_fixture_is_deterministic(tmp_path):
     args = ["--dict", FIXTURE, "--valid-size", "2", "--test-size", "3", "--seed", "7", "--out"]
     outs = [tmp_path / "a", tmp_path / "b"]
-    proc = run_module("fairseq_ext.scripts.build_ding_corpus", args + [outs[0]])  # the real command line
+    proc = run_module("tools.build_ding_corpus", args + [outs[0]])  # the real command line
     assert "train 7" in proc.stdout and "valid 2" in proc.stdout and "test 3" in proc.stdout
     ding.main(args + [str(outs[1])])
     got = set()

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registration, safe checkpoint loading)
-from fairseq.data import Dictionary
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
-from fairseq.models.fconv import FConvModel
-from fairseq_ext.compat import FairseqExtError
-from fairseq_ext.models.fconv_glu import FConvGluModel, upgrade_fconv_state_dict
+from fairseq.models import ARCH_MODEL_REGISTRY
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.convs2s.model import FConvGluModel, upgrade_fconv_state_dict
+from tests.builders import FCONV_ODD_SPEC as ODD_SPEC
+from tests.builders import FconvTask as _Task
+from tests.builders import fconv_args as _args
+from tests.builders import fconv_pair as _pair
 from tests.helpers import (
     assert_close,
     create_dummy_data,
@@ -28,38 +30,6 @@ from tests.helpers import (
 )
 
 ARCHS = ["", "_iwslt_de_en", "_wmt_en_ro", "_wmt_en_de", "_wmt_en_fr"]
-# a spec with everything the layer syntax allows: width changes (residual projections), an even kernel,
-# a residual from two layers back, no residual, and a decoder layer without attention
-ODD_SPEC = dict(encoder_embed_dim=12, decoder_embed_dim=12, decoder_out_embed_dim=10,
-                encoder_layers="[(16, 3), (24, 2), (24, 3, 2), (24, 5, 0)]",
-                decoder_layers="[(16, 3), (24, 2), (24, 3, 2), (20, 1)]",
-                decoder_attention="[True, False, True, True]")
-
-
-class _Task:
-    def __init__(self, n=40):
-        d = Dictionary()
-        for i in range(n):
-            d.add_symbol(f"w{i}")
-        self.source_dictionary = self.target_dictionary = d
-
-
-def _args(arch, **kw):
-    args = argparse.Namespace(dropout=0.0, max_source_positions=1024, max_target_positions=1024, **kw)
-    ARCH_CONFIG_REGISTRY[arch](args)  # the architecture's defaults, as fairseq-train applies them
-    return args
-
-
-def _pair(task, suffix="_iwslt_de_en", seed=0, **kw):
-    """fairseq's fconv<suffix> and our fconv_glu<suffix> with fairseq's weights copied into ours."""
-    torch.manual_seed(seed)
-    ref = FConvModel.build_model(_args("fconv" + suffix, **kw), task)
-    ours = FConvGluModel.build_model(_args("fconv_glu" + suffix, **kw), task)
-    sd = {k: v.clone() for k, v in ref.state_dict().items()}
-    ours.load_state_dict(sd, strict=True)  # runs upgrade_state_dict_named: the fconv -> fconv_glu mapping
-    return ref, ours
-
-
 def _batch(task, bsz=5, src_len=9, tgt_len=7, seed=1):
     g = torch.Generator().manual_seed(seed)
     d = task.source_dictionary
@@ -316,7 +286,7 @@ def trained(data_dir):
 
 def _sources(gen):
     ids = sorted(int(i) for i in re.findall(r"^S-(\d+)\t", gen, re.M))
-    assert ids == list(range(100))  # every valid sentence (fairseq_ext.compat keeps fairseq's last batch)
+    assert ids == list(range(100))  # every valid sentence (fairseq_ext.fairseq_fixes keeps fairseq's last batch)
     return ids
 
 
@@ -386,7 +356,7 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
     train_translation_model(d, "fconv_iwslt_de_en", ["--dropout", "0.2"])
     ref_ckpt = os.path.join(d, "checkpoint_last.pt")
     ours_ckpt = os.path.join(d, "converted.pt")
-    out = run_module("fairseq_ext.models.fconv_glu", ["--convert-from-fconv", ref_ckpt, ours_ckpt]).stdout
+    out = run_module("fairseq_ext.convs2s.convert", ["--convert-from-fconv", ref_ckpt, ours_ckpt]).stdout
     assert "wrote" in out
     state = torch.load(ours_ckpt, weights_only=True)
     assert state["cfg"]["model"].arch == ARCH
@@ -406,7 +376,7 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
 
 
 def test_converter_refuses_what_is_not_an_fconv_checkpoint(tmp_path, capsys):
-    from fairseq_ext.models.fconv_glu import main
+    from fairseq_ext.convs2s.convert import main
 
     missing = str(tmp_path / "missing.pt")
     assert main(["--convert-from-fconv", missing, str(tmp_path / "out.pt")]) == 1

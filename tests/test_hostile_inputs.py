@@ -61,7 +61,7 @@ def write_short_bert(path):
     import torch
     from transformers import BertConfig, BertModel, BertTokenizer
 
-    from tests.test_bert_jam import LETTERS
+    from tests.builders import BERT_LETTERS as LETTERS
 
     os.makedirs(path)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(LETTERS) + ["##" + c for c in LETTERS]

@@ -11,17 +11,21 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registers everything)
-from fairseq.data import Dictionary
 from fairseq.logging import metrics
 from fairseq.models import ARCH_CONFIG_REGISTRY
 from fairseq.models.transformer import TransformerModel
 
-from fairseq_ext.compat import FairseqExtError
-from fairseq_ext.criterions.msc_label_smoothed_cross_entropy_l2 import (
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.msc.criterion import (
     LabelSmoothedCrossEntropyL2Criterion,
     encoder_weight_matrices,
 )
-from fairseq_ext.models.msc_transformer import MSCContextFFN, MSCContextGRU, MSCGate, MSCTransformerModel
+from fairseq_ext.msc.model import MSCContextFFN, MSCContextGRU, MSCGate
+from tests.builders import MSC_ABLATIONS as ABLATIONS
+from tests.builders import MSC_BLOCKS as BLOCKS
+from tests.builders import MscTask as _Task
+from tests.builders import msc_build as build
+from tests.builders import msc_flags as _flags
 from tests.helpers import (
     assert_close,
     create_dummy_data,
@@ -36,33 +40,6 @@ from tests.helpers import (
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-class _Task:
-    def __init__(self, d):
-        self.source_dictionary = self.target_dictionary = d
-
-
-def _dictionary(vocab):
-    d = Dictionary()
-    for i in range(vocab - len(d)):
-        d.add_symbol(f"w{i}")
-    return d
-
-
-def build(arch="msc_transformer", extra=(), vocab=40, tiny=True):
-    d = _dictionary(vocab)
-    p = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
-    MSCTransformerModel.add_args(p)
-    flags = list(extra)
-    if tiny:
-        flags = ["--encoder-embed-dim", "16", "--decoder-embed-dim", "16", "--encoder-ffn-embed-dim", "24",
-                 "--decoder-ffn-embed-dim", "24", "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
-                 "--dropout", "0", "--attention-dropout", "0", "--share-all-embeddings"] + flags
-    a = p.parse_args(flags)
-    ARCH_CONFIG_REGISTRY[arch](a)
-    torch.manual_seed(0)
-    return MSCTransformerModel.build_model(a, _Task(d)), d
-
-
 def _batch(d, seed=0, bsz=3, src_len=7, tgt_len=6):
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(d.nspecial, len(d), (bsz, src_len), generator=g)
@@ -72,23 +49,6 @@ def _batch(d, seed=0, bsz=3, src_len=7, tgt_len=6):
     tgt = torch.randint(d.nspecial, len(d), (bsz, tgt_len), generator=g)
     tgt[:, 0] = d.eos()
     return src, lengths, tgt
-
-
-ABLATIONS = {
-    "msc": [],
-    "uneven_blocks": ["--encoder-layers-per-block", "1,3,2"],
-    "add_fusion": ["--msc-fusion", "add"],
-    "ffn_cell": ["--msc-context-cell", "ffn"],
-    "no_cxt_enc_attn": ["--no-context-attention"],
-    "no_contextual": ["--no-contextual-collaboration"],
-    "no_block_scale": ["--no-block-scale-collaboration"],
-    "plain": ["--no-contextual-collaboration", "--no-block-scale-collaboration"],
-}
-BLOCKS = ["--encoder-blocks", "3", "--encoder-layers-per-block", "2"]
-
-
-def _flags(name):
-    return (BLOCKS if name != "uneven_blocks" else []) + ABLATIONS[name]
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -511,10 +471,10 @@ def test_plot_grad_norms_command(trained, tmp_path, capsys):
     log_file = tmp_path / "train.log"
     log_file.write_text(log)
     out = tmp_path / "gnorm.png"
-    proc = run_module("fairseq_ext.scripts.msc_plot_grad_norms", [str(log_file), "--out", str(out)])
+    proc = run_module("fairseq_ext.msc.plot_grad_norms", [str(log_file), "--out", str(out)])
     assert out.exists() and out.stat().st_size > 1000
     assert "4 encoder layers" in proc.stdout
-    from fairseq_ext.scripts import msc_plot_grad_norms
+    from fairseq_ext.msc import plot_grad_norms as msc_plot_grad_norms
 
     assert msc_plot_grad_norms.main([str(tmp_path / "missing.log"), "--out", str(out)]) == 1
     assert "missing.log does not exist" in capsys.readouterr().err
@@ -604,7 +564,7 @@ def test_degradation_dry_run_and_errors(capsys):
 
     from fairseq import options
 
-    from fairseq_ext.scripts import msc_degradation
+    from fairseq_ext.msc import degradation as msc_degradation
 
     assert msc_degradation.main(["/bin", "--src", "de", "--tgt", "en", "--workdir", "/tmp/x", "--depths", "6,12",
                                  "--dry-run"]) == 0
@@ -628,7 +588,7 @@ def test_degradation_dry_run_and_errors(capsys):
 
 
 def test_degradation_training_set_bleu(trained):
-    from fairseq_ext.scripts import msc_degradation
+    from fairseq_ext.msc import degradation as msc_degradation
 
     data, _ = trained
     args = argparse.Namespace(data=data, cpu=True, beam=2, batch_size=8, remove_bpe=None)

@@ -31,15 +31,40 @@ def test_plugin_registers_once_under_every_import_route(monkeypatch):
     assert all(name == "fairseq_ext" or name.startswith("fairseq_ext.") for name in ours), ours
 
 
-def test_criteria_of_the_package_are_registered():
-    import fairseq_ext.criterions  # noqa: F401
+def test_every_paper_folder_registers_its_models_tasks_and_criteria():
+    import fairseq_ext  # noqa: F401
     from fairseq.criterions import CRITERION_REGISTRY
+    from fairseq.models import MODEL_REGISTRY
+    from fairseq.tasks import TASK_REGISTRY
 
-    crit_dir = os.path.join(USER_DIR, "criterions")
-    modules = [f[:-3] for f in os.listdir(crit_dir) if f.endswith(".py") and not f.startswith("_")]
-    registered = {cls.__module__ for cls in CRITERION_REGISTRY.values()}
-    for m in modules:
-        assert f"fairseq_ext.criterions.{m}" in registered, f"criterions/{m}.py registers no criterion"
+    registered = {name: cls.__module__ for reg in (MODEL_REGISTRY, TASK_REGISTRY, CRITERION_REGISTRY)
+                  for name, cls in reg.items()}
+    assert registered["fconv_glu"] == "fairseq_ext.convs2s.model"
+    assert registered["msc_transformer"] == "fairseq_ext.msc.model"
+    assert registered["label_smoothed_cross_entropy_l2"] == "fairseq_ext.msc.criterion"
+    assert registered["sat_transformer"] == "fairseq_ext.sat.model"
+    assert registered["translation_sat"] == "fairseq_ext.sat.task"
+    assert registered["bert_jam"] == "fairseq_ext.bert_jam.model"
+    assert registered["translation_bert"] == "fairseq_ext.bert_jam.task"
+    # every module of the package that registers something is one of these (nothing left behind by a move)
+    ours = {m for m in registered.values() if m.startswith("fairseq_ext.")}
+    assert ours == {"fairseq_ext.convs2s.model", "fairseq_ext.msc.model", "fairseq_ext.msc.criterion",
+                    "fairseq_ext.sat.model", "fairseq_ext.sat.task", "fairseq_ext.bert_jam.model",
+                    "fairseq_ext.bert_jam.task"}
+
+
+def test_models_never_import_tasks():
+    """A model module imports no task module (tasks may import models and generators, not the reverse)."""
+    import ast
+
+    for paper in ("convs2s", "msc", "sat", "bert_jam"):
+        for name in os.listdir(os.path.join(USER_DIR, paper)):
+            if name not in ("model.py", "layers.py", "generator.py", "bert.py", "criterion.py"):
+                continue
+            tree = ast.parse(open(os.path.join(USER_DIR, paper, name)).read())
+            imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module] + \
+                       [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+            assert not [m for m in imported if m.startswith("fairseq_ext.") and m.endswith(".task")], (paper, name)
 
 
 def test_python_m_fairseq_ext_prints_the_user_dir():

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq.models import ARCH_CONFIG_REGISTRY
 
-from fairseq_ext.generators.sat_generator import SATSequenceGenerator
-from fairseq_ext.models.sat_transformer import relaxed_causal_mask, sat_decoder_input
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from fairseq_ext.sat.model import relaxed_causal_mask, sat_decoder_input
 from tests.helpers import assert_close
 
 PROFILE = dict(database=None, derandomize=True, deadline=None, print_blob=True,
@@ -59,7 +59,7 @@ def _random_batch(data, dictionary, max_bsz=4, max_src=8, min_src=1, letters=Non
 
 @functools.lru_cache(maxsize=None)
 def _sat(K, seed):
-    from tests.test_sat import sat_model
+    from tests.builders import sat_model
 
     return sat_model(K, seed=seed)
 
@@ -68,7 +68,7 @@ def _sat(K, seed):
 @given(K=st.integers(1, 4), beam=st.integers(1, 4), lenpen=st.sampled_from([0.6, 1.0, 1.5]),
        max_len_b=st.integers(1, 9), seed=st.integers(0, 2), data=st.data())
 def test_sat_generator_hypotheses(K, beam, lenpen, max_len_b, seed, data):
-    from tests.test_sat import DICT, _sample
+    from tests.builders import SAT_DICT as DICT, sat_sample as _sample
 
     model = _sat(K, seed)
     src, src_lengths, _ = _random_batch(data, DICT)
@@ -142,7 +142,7 @@ def _prev(g, dictionary, bsz, tgt_len, letters=None):
 
 @functools.lru_cache(maxsize=None)
 def _fconv(config):
-    from tests.test_fconv_glu import ODD_SPEC, _pair, _Task
+    from tests.builders import FCONV_ODD_SPEC as ODD_SPEC, FconvTask as _Task, fconv_pair as _pair
 
     task = _Task()
     _, model = _pair(task, **({} if config == "iwslt" else ODD_SPEC))
@@ -160,7 +160,7 @@ def test_incremental_equals_full_fconv_glu(config, tgt_len, data):
 @settings(max_examples=10, **PROFILE)
 @given(K=st.integers(1, 4), learned=st.booleans(), groups=st.integers(1, 4), data=st.data())
 def test_incremental_equals_full_sat_transformer(K, learned, groups, data):
-    from tests.test_sat import DICT, sat_model
+    from tests.builders import SAT_DICT as DICT, sat_model
 
     model = sat_model(K, learned=learned)
     src, lengths, g = _random_batch(data, DICT)
@@ -178,7 +178,7 @@ def test_incremental_equals_full_sat_transformer(K, learned, groups, data):
 
 @functools.lru_cache(maxsize=None)
 def _msc(name):
-    from tests.test_msc_transformer import _flags, build
+    from tests.builders import msc_build as build, msc_flags as _flags
 
     model, d = build(extra=_flags(name))
     return model.eval(), d
@@ -194,7 +194,7 @@ def test_incremental_equals_full_msc_transformer(name, tgt_len, data):
 
 @pytest.fixture(scope="module")
 def tiny_bert_jam(tmp_path_factory):
-    from tests.test_bert_jam import build, write_tiny_bert
+    from tests.builders import bert_jam_build as build, write_tiny_bert
 
     bert = write_tiny_bert(str(tmp_path_factory.mktemp("props_bert")))
     models = {}

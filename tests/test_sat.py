@@ -1,5 +1,5 @@
-"""Tests of the Semi-Autoregressive Transformer (issue #4): fairseq_ext.models.sat_transformer,
-fairseq_ext.tasks.translation_sat, fairseq_ext.generators.sat_generator and the SAT scripts.
+"""Tests of the Semi-Autoregressive Transformer (issue #4): fairseq_ext.sat.model,
+fairseq_ext.sat.task, fairseq_ext.sat.generator and the SAT scripts.
 
 In-process checks on tiny random models (exactness), then one module-scoped set of CLI runs
 (fairseq-train / -generate / -interactive with --user-dir) on the dummy data of tests/helpers.py.
@@ -15,14 +15,16 @@ import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
-from fairseq.data import Dictionary
-from fairseq.models import ARCH_CONFIG_REGISTRY
 from fairseq.models.transformer import TransformerModel
 from fairseq.sequence_generator import SequenceGenerator
 
-from fairseq_ext.compat import FairseqExtError
-from fairseq_ext.generators.sat_generator import SATSequenceGenerator
-from fairseq_ext.models.sat_transformer import SATModel, relaxed_causal_mask, sat_decoder_input
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from fairseq_ext.sat.model import SATModel, relaxed_causal_mask, sat_decoder_input
+from tests.builders import SAT_DICT as DICT
+from tests.builders import SatTask as _Task
+from tests.builders import sat_args as _args
+from tests.builders import sat_model, sat_sample as _sample
 from tests.helpers import (
     ROOT,
     assert_close,
@@ -37,41 +39,6 @@ from tests.helpers import (
 
 # --------------------------------------------------------------------------------------------------------
 # tiny random models
-
-
-def _dictionary(n=16):
-    d = Dictionary()
-    for i in range(n):
-        d.add_symbol(chr(ord("a") + i))
-    return d
-
-
-DICT = _dictionary()
-
-
-class _Task:
-    source_dictionary = DICT
-    target_dictionary = DICT
-
-
-def _args(arch, K=None, learned=False, **kw):
-    args = argparse.Namespace(
-        arch=arch, encoder_layers=2, decoder_layers=2, encoder_embed_dim=16, decoder_embed_dim=16,
-        encoder_ffn_embed_dim=32, decoder_ffn_embed_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
-        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_learned_pos=learned,
-        encoder_learned_pos=learned, **kw)
-    if K is not None:
-        args.sat_group_size = K
-    ARCH_CONFIG_REGISTRY[arch](args)
-    return args
-
-
-def sat_model(K, learned=False, seed=0, eos_boost=2.0):
-    torch.manual_seed(seed)
-    m = SATModel.build_model(_args("sat_transformer", K, learned), _Task()).eval()
-    with torch.no_grad():  # make EOS likely enough that hypotheses end at different lengths
-        m.decoder.output_projection.weight[DICT.eos()] *= eos_boost
-    return m
 
 
 def transformer_with_weights_of(sat):
@@ -96,15 +63,6 @@ def _batch(bsz=3, src_len=7, tgt_len=11, seed=1, pad_last=True):
     prev = torch.cat([torch.full((bsz, 1), DICT.eos()), tgt[:, :-1]], dim=1)
     prev[prev.eq(DICT.eos()) & (torch.arange(tgt_len) > 0)] = DICT.pad() if pad_last else DICT.eos()
     return src, src_lengths, tgt, prev
-
-
-def _sample(src, src_lengths, tgt=None, prev=None):
-    s = {"id": torch.arange(src.size(0)), "net_input": {"src_tokens": src, "src_lengths": src_lengths}}
-    if tgt is not None:
-        s["target"] = tgt
-        s["net_input"]["prev_output_tokens"] = prev
-        s["ntokens"] = int(tgt.ne(DICT.pad()).sum())
-    return s
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -494,7 +452,7 @@ def test_hub_interface(trained):
 
 def test_position_wise_cross_entropy_command(trained, tmp_path):
     png = str(tmp_path / "pce.png")
-    proc = run_module("fairseq_ext.scripts.sat_position_ce", [
+    proc = run_module("fairseq_ext.sat.position_ce", [
         trained["data"], "--path", trained["teacher"], "--path", trained["sat"], "--split", "valid",
         "--max-position", "8", "--png", png])
     out = proc.stdout
@@ -507,7 +465,7 @@ def test_position_wise_cross_entropy_command(trained, tmp_path):
     # the table is the mean token NLL: for position 1 it equals the NLL of the first target word computed here
     from fairseq import checkpoint_utils
 
-    from fairseq_ext.scripts.sat_position_ce import position_ce
+    from fairseq_ext.sat.position_ce import position_ce
 
     K, _, ce, counts, gce = position_ce(trained["sat"], trained["data"], "valid", max_position=8)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([trained["sat"]])
@@ -522,7 +480,7 @@ def test_position_wise_cross_entropy_command(trained, tmp_path):
 
 
 def test_distill_turns_teacher_output_into_a_corpus(tmp_path):
-    from fairseq_ext.scripts.sat_distill import distill
+    from fairseq_ext.sat.distill import distill
 
     (tmp_path / "src.de").write_text("a b\nc d e\nf\n")
     (tmp_path / "gen.txt").write_text(
@@ -550,7 +508,7 @@ def test_recipe_dry_run(recipe, tmp_path):
     kinds = [c.split()[1] if c.split()[1] != "python" else c.split()[3] for c in cmds]
     # teacher, average, KD decode + corpus + binarise, 3 x (student, average), 4 models x 2 beams x 2 runs
     assert kinds[:5] == ["fairseq-train", "fairseq_ext.average_checkpoints", "fairseq-generate",
-                         "fairseq_ext.scripts.sat_distill", "fairseq-preprocess"]
+                         "fairseq_ext.sat.distill", "fairseq-preprocess"]
     assert kinds[5:11] == ["fairseq-train", "fairseq_ext.average_checkpoints"] * 3
     assert kinds[11:] == ["fairseq-generate"] * 16
     assert "--task translation --arch transformer_" in cmds[0]

@@ -23,7 +23,7 @@ GEN_ARGS=(--beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)  # bounded: a sh
 arch_prepare() {
   if [ ! -f "$BIN/bert_input.$SRC.json" ]; then
     step "2b/6 BERT input with $MINILM into $BIN"
-    python -m fairseq_ext.scripts.bert_prepare "$BIN" --source-lang "$SRC" --target-lang "$TGT" \
+    python -m fairseq_ext.bert_jam.prepare "$BIN" --source-lang "$SRC" --target-lang "$TGT" \
       --bert-model-name "$MINILM" --trainpref "$DATA/train.spm" --validpref "$DATA/valid.spm" \
       --testpref "$DATA/test.spm" > "$WORKDIR/bert_prepare-$SRC-$TGT.log"
   fi

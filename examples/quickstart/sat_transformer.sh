@@ -46,7 +46,7 @@ arch_prepare() {
     fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" --task translation --source-lang "$SRC" \
       --target-lang "$TGT" --path "$teacher/checkpoint_avg.pt" --gen-subset train "${KD_ARGS[@]}" \
       --batch-size 256 --num-workers 0 > "$kd/generate-train.txt"
-    python -m fairseq_ext.scripts.sat_distill --generate-output "$kd/generate-train.txt" \
+    python -m fairseq_ext.sat.distill --generate-output "$kd/generate-train.txt" \
       --source "$DATA/train.spm.$SRC" --out-prefix "$kd/train" --source-lang "$SRC" --target-lang "$TGT"
     rm -rf "$kdbin"
     fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" --trainpref "$kd/train" \

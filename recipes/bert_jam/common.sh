@@ -42,7 +42,7 @@ COMMON=(
 
 # 0. BERT input, once, beside the binarised data
 if [ ! -f "$BIN/bert_input.$SRC.json" ] || [ "$DRY_RUN" = 1 ]; then
-  run python -m fairseq_ext.scripts.bert_prepare "$BIN" --source-lang "$SRC" --target-lang "$TGT" \
+  run python -m fairseq_ext.bert_jam.prepare "$BIN" --source-lang "$SRC" --target-lang "$TGT" \
     --bert-model-name "$BERT" --trainpref "$TEXT/train" --validpref "$TEXT/valid" --testpref "$TEXT/test"
 fi
 

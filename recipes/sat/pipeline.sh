@@ -45,7 +45,7 @@ echo "== 2/4 sequence-level knowledge distillation (teacher beam $KD_BEAM on the
 run_to "$KD_TEXT/generate-train.txt" fairseq-generate "$BIN" --user-dir "$USER_DIR" --task translation \
   --source-lang "$SRC" --target-lang "$TGT" --path "$TEACHER_DIR/checkpoint_avg.pt" --gen-subset train \
   --beam "$KD_BEAM" --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 16000
-run python -m fairseq_ext.scripts.sat_distill --generate-output "$KD_TEXT/generate-train.txt" \
+run python -m fairseq_ext.sat.distill --generate-output "$KD_TEXT/generate-train.txt" \
   --source "$TEXT/train.$SRC" --out-prefix "$KD_TEXT/train" --source-lang "$SRC" --target-lang "$TGT"
 run fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" --trainpref "$KD_TEXT/train" \
   --validpref "$TEXT/valid" --testpref "$TEXT/test" --srcdict "$BIN/dict.$SRC.txt" --tgtdict "$BIN/dict.$TGT.txt" \

@@ -1,0 +1,114 @@
+"""Fixes to fairseq's own behaviour, each named after the fairseq bug it fixes; installed by ``import fairseq_ext``.
+
+They change what fairseq does for every architecture, ours and fairseq's, so each is applied only to the fairseq
+versions it was checked against (:data:`CHECKED_VERSIONS`: ``fairseq-fixed`` 0.12.3.x, i.e. fairseq main with
+Python 3.11 fixes); on another fairseq a warning names the fixes left out, and fairseq behaves as shipped.
+"""
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+CHECKED_VERSIONS = ("0.12.3",)  # fairseq.__version__ prefixes the fixes were written and tested against
+
+
+def fix_dropped_last_batch(data_utils):
+    """fairseq main (and so fairseq-fixed) drops the last batch when its size is not a multiple of
+    ``--required-batch-size-multiple`` (8): ``fairseq-generate`` silently skipped up to 7 sentences of a test
+    set, and validation and training lost them too (fairseq 0.12.2 kept it). Every sentence is batched again."""
+    original = data_utils.batch_by_size
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def batch_by_size(indices, num_tokens_fn, num_tokens_vec=None, max_tokens=None, max_sentences=None,
+                      required_batch_size_multiple=1, fixed_shapes=None):
+        batches = original(indices, num_tokens_fn, num_tokens_vec, max_tokens, max_sentences,
+                           required_batch_size_multiple, fixed_shapes)
+        if fixed_shapes is None:
+            indices = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64)
+            covered = sum(len(b) for b in batches)
+            if covered < len(indices):  # batches are consecutive slices: the dropped tail is the rest
+                batches = list(batches) + [indices[covered:]]
+        return batches
+
+    batch_by_size._fairseq_ext_wrapped = True
+    batch_by_size.__doc__ = original.__doc__
+    data_utils.batch_by_size = batch_by_size
+
+
+def fix_pytorch_ddp_device_ids_on_cpu():
+    """``--ddp-backend pytorch_ddp`` (c10d) on CPU: fairseq always passes ``device_ids=[device_id]`` to torch's
+    DistributedDataParallel, which torch refuses for a CPU module ("device_ids and output_device arguments only
+    work with single-device/multiple-device GPU modules"); drop them when the module is on CPU."""
+    from fairseq.models import distributed_fairseq_model
+    from torch.nn.parallel import DistributedDataParallel
+
+    if getattr(distributed_fairseq_model.DistributedDataParallel, "_fairseq_ext_wrapped", False):
+        return
+
+    class CpuAwareDistributedDataParallel(DistributedDataParallel):
+        _fairseq_ext_wrapped = True
+
+        def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+            if device_ids is not None and all(p.device.type == "cpu" for p in module.parameters()):
+                device_ids = output_device = None
+            super().__init__(module, device_ids, output_device, *args, **kwargs)
+
+    distributed_fairseq_model.DistributedDataParallel = CpuAwareDistributedDataParallel
+
+
+def fix_resume_rebuilds_batches_with_epoch_seed():
+    """Exact resume after epoch 1. fairseq-fixed (fairseq main) builds the batches of a new batch iterator from
+    ``ordered_indices()`` under ``numpy_seed(seed + epoch)`` and, without ``--rebuild-batches``, reuses them for
+    every later epoch. An uninterrupted run builds them in epoch 1; a run resumed in epoch e built them with
+    seed + e: other batches (length ties broken by another permutation), so the resumed run trained on other
+    batches than the run it continues, and a mid-epoch resume skipped the wrong ones (fairseq 0.12.2 used
+    ``numpy_seed(seed)`` whatever the epoch). Without ``--rebuild-batches``, a new iterator's batches are now
+    those of epoch 1, then the iterator is moved to its epoch."""
+    import inspect
+
+    from fairseq.tasks import FairseqTask
+
+    original = FairseqTask.get_batch_iterator
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+    signature = inspect.signature(original)
+
+    def get_batch_iterator(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        epoch, dataset = bound.arguments["epoch"], bound.arguments["dataset"]
+        if epoch <= 1 or getattr(getattr(self, "cfg", None), "rebuild_batches", False) or \
+                dataset in getattr(self, "dataset_to_epoch_iter", {}):
+            return original(*bound.args, **bound.kwargs)
+        bound.arguments["epoch"] = 1
+        itr = original(*bound.args, **bound.kwargs)
+        dataset.set_epoch(epoch)
+        itr.epoch = epoch
+        return itr
+
+    get_batch_iterator._fairseq_ext_wrapped = True
+    get_batch_iterator.__doc__ = original.__doc__
+    FairseqTask.get_batch_iterator = get_batch_iterator
+
+
+def install():
+    """Idempotent; called by ``import fairseq_ext``. Returns the names of the fixes applied."""
+    import fairseq
+    from fairseq.data import data_utils
+
+    fixes = {
+        "fix_dropped_last_batch": lambda: fix_dropped_last_batch(data_utils),
+        "fix_pytorch_ddp_device_ids_on_cpu": fix_pytorch_ddp_device_ids_on_cpu,
+        "fix_resume_rebuilds_batches_with_epoch_seed": fix_resume_rebuilds_batches_with_epoch_seed,
+    }
+    version = getattr(fairseq, "__version__", "")
+    if not version.startswith(CHECKED_VERSIONS):
+        logger.warning(f"fairseq {version} is not one fairseq_ext's fixes were checked against "
+                       f"({', '.join(CHECKED_VERSIONS)}); not applied: {', '.join(fixes)}")
+        return []
+    for apply in fixes.values():
+        apply()
+    return list(fixes)

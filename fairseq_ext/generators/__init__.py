@@ -1,2 +1,0 @@
-"""Sequence generators that fairseq's own SequenceGenerator cannot express (imported by the tasks that
-build them)."""

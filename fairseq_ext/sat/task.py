@@ -1,0 +1,52 @@
+"""``--task translation_sat``: fairseq's translation task whose generator decodes a Semi-Autoregressive
+Transformer (:mod:`fairseq_ext.sat.model`) K words per decoder call.
+
+Data, batching and training are those of ``--task translation`` (the SAT shift of the decoder input is done
+inside the model). What changes:
+
+* :meth:`build_generator` returns :class:`~fairseq_ext.sat.generator.SATSequenceGenerator` (built by
+  :func:`~fairseq_ext.sat.generator.build_sat_generator`) for
+  fairseq-generate, fairseq-interactive, ``--eval-bleu`` validation and the hub interface; options it cannot
+  honour (sampling, diverse beam search, constraints, prefix tokens, language-model fusion, ensembles) fail
+  with one clear line;
+* rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``.
+"""
+
+from dataclasses import dataclass
+
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.sat.generator import build_sat_generator
+
+
+@dataclass
+class TranslationSATConfig(TranslationConfig):
+    pass
+
+
+@register_task("translation_sat", dataclass=TranslationSATConfig)
+class TranslationSATTask(TranslationTask):
+    """Translation with semi-autoregressive (group) decoding; see the module docstring."""
+
+    builds_sat_generator = True  # read by SATModel.from_pretrained (models never import tasks)
+
+    def __init__(self, cfg, src_dict, tgt_dict):
+        super().__init__(cfg, src_dict, tgt_dict)
+        if getattr(cfg, "left_pad_target", False):
+            raise FairseqExtError("--task translation_sat needs right-padded targets: remove --left-pad-target")
+        self._sat_from_checkpoint = False
+
+    def build_model(self, cfg, from_checkpoint=False):
+        self._sat_from_checkpoint = from_checkpoint
+        try:
+            return super().build_model(cfg, from_checkpoint)
+        finally:
+            self._sat_from_checkpoint = False
+
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
+                        prefix_allowed_tokens_fn=None, **kwargs):
+        return build_sat_generator(self, models, args, seq_gen_cls=seq_gen_cls,
+                                   extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)

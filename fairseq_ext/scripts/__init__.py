@@ -1,1 +1,0 @@
-"""Command-line tools of fairseq-ext (run with ``python -m fairseq_ext.scripts.<name>``)."""
