@@ -14,8 +14,13 @@ from tests.helpers import ROOT
 
 
 def test_install_is_idempotent_and_pins_the_environment():
+    # install.sh's own check of the environment these tests run in (any location: FAIRSEQ_EXT_VENV); tests run
+    # in another environment (e.g. after `pip install .`) have nothing of install.sh's to check
+    if not os.path.isfile(os.path.join(sys.prefix, ".fairseq-ext-installed")):
+        pytest.skip(f"the tests run in {sys.prefix}, which install.sh did not make")
     start = time.time()
-    proc = subprocess.run(["bash", os.path.join(ROOT, "install.sh")], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "install.sh")], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, FAIRSEQ_EXT_VENV=sys.prefix))
     elapsed = time.time() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "is up to date" in proc.stdout, proc.stdout[-3000:]  # the seconds-fast path, nothing reinstalled
@@ -26,12 +31,73 @@ def test_install_is_idempotent_and_pins_the_environment():
     assert importlib.util.find_spec("torchaudio") is None
     assert md.version("fairseq-fixed") == "0.12.3.1"
     assert md.version("torch").split("+")[0] == "2.13.0" or os.environ.get("FAIRSEQ_EXT_KEEP_TORCH")
-    assert sys.prefix == os.path.join(ROOT, ".venv"), "the tests run in the checkout's .venv"
 
 
 def test_install_rejects_unknown_options():
     proc = subprocess.run(["bash", os.path.join(ROOT, "install.sh"), "--gpu"], capture_output=True, text=True)
     assert proc.returncode == 2 and "unknown option '--gpu'" in proc.stderr
+
+
+def _fake_install(tmp_path, *args, torchaudio=False, user_constraint=None):
+    """Run install.sh from a copy of the checkout in a path with a space, against a fake venv whose python runs
+    the tests' python but only records its pip calls (nothing is downloaded or installed)."""
+    import shutil
+
+    checkout = tmp_path / "my checkout"
+    checkout.mkdir()
+    for f in ("install.sh", "requirements.txt", "constraints.txt", "setup.py"):
+        shutil.copy(os.path.join(ROOT, f), checkout / f)
+    venv, log = tmp_path / "venv", tmp_path / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "python"
+    fake.write_text('#!/bin/bash\n'
+                    'if [ "$1" = -m ] && [ "$2" = pip ]; then\n'
+                    '  printf "%s\\n" "PIP_CONSTRAINT=${PIP_CONSTRAINT:-}" "$@" "--" >> "$FAKE_PIP_LOG"; exit 0\n'
+                    'fi\n'
+                    f'exec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    pythonpath = [ROOT]
+    if torchaudio:  # a torchaudio the user's Python can import (pytorch.org's default command, containers)
+        (tmp_path / "site" / "torchaudio").mkdir(parents=True)
+        (tmp_path / "site" / "torchaudio" / "__init__.py").write_text("")
+        pythonpath.insert(0, str(tmp_path / "site"))
+    env = dict(os.environ, FAIRSEQ_EXT_VENV=str(venv), FAKE_PIP_LOG=str(log), PYTHONPATH=os.pathsep.join(pythonpath))
+    env.pop("PIP_CONSTRAINT", None)
+    if user_constraint:
+        env["PIP_CONSTRAINT"] = user_constraint
+    proc = subprocess.run(["bash", str(checkout / "install.sh"), *args], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=120)
+    calls = [c.strip("\n").split("\n") for c in log.read_text().split("--\n") if c.strip()] if log.exists() else []
+    return proc, calls, checkout, venv
+
+
+def test_install_keep_torch_accepts_the_users_torchaudio(tmp_path):
+    """B2: `install.sh --keep-torch` (the GPU path) ended with "must not be installed" whenever the user's Python
+    could import torchaudio (pytorch.org's default install); its own torch is kept, and so is its torchaudio."""
+    proc, calls, checkout, venv = _fake_install(tmp_path, "--keep-torch", torchaudio=True,
+                                                user_constraint="/etc/site-constraints.txt")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "keeping the existing torch" in proc.stdout and "torchaudio is importable" in proc.stdout
+    assert (venv / ".fairseq-ext-installed").read_text().rstrip().endswith("keep_torch=1")
+    installs = [c for c in calls if "install" in c]
+    assert installs and not any(a.startswith("torch==") for c in installs for a in c)  # the user's torch stays
+    for c in installs:  # Q8: every pip call has our constraints (without the torch pin) and the user's own
+        assert c[0] == "PIP_CONSTRAINT=/etc/site-constraints.txt"
+        constraints = c[c.index("-c") + 1]
+        assert constraints == str(venv / "constraints-keep-torch.txt")
+    text = open(constraints).read()
+    assert "torchaudio==0.0.0.dev0" in text and "torch==" not in text.replace("torchaudio==", "")
+    assert not (checkout / ".constraints-keep-torch.txt").exists()  # nothing written into the checkout
+
+
+def test_install_cpu_path_refuses_torchaudio_and_pins_torch(tmp_path):
+    """Without --keep-torch the venv is ours: torch pinned by constraints.txt (given with -c, which survives the
+    space in the checkout path), and a torchaudio in it is an error."""
+    proc, calls, checkout, venv = _fake_install(tmp_path, torchaudio=True)
+    assert proc.returncode == 1 and "torchaudio must not be installed" in proc.stderr, proc.stderr[-2000:]
+    installs = [c for c in calls if "install" in c]
+    assert all(c[c.index("-c") + 1] == str(checkout / "constraints.txt") for c in installs)
+    assert not (venv / ".fairseq-ext-installed").exists()
 
 
 @pytest.mark.slow
