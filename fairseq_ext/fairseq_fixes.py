@@ -61,37 +61,65 @@ def fix_pytorch_ddp_device_ids_on_cpu():
 
 def fix_resume_rebuilds_batches_with_epoch_seed():
     """Exact resume after epoch 1. fairseq-fixed (fairseq main) builds the batches of a new batch iterator from
-    ``ordered_indices()`` under ``numpy_seed(seed + epoch)`` and, without ``--rebuild-batches``, reuses them for
-    every later epoch. An uninterrupted run builds them in epoch 1; a run resumed in epoch e built them with
-    seed + e: other batches (length ties broken by another permutation), so the resumed run trained on other
-    batches than the run it continues, and a mid-epoch resume skipped the wrong ones (fairseq 0.12.2 used
-    ``numpy_seed(seed)`` whatever the epoch). Without ``--rebuild-batches``, a new iterator's batches are now
-    those of epoch 1, then the iterator is moved to its epoch."""
+    ``ordered_indices()`` under ``numpy_seed(seed + epoch)`` and, for a dataset whose iterator it caches, reuses
+    them for every later epoch. An uninterrupted run builds them in epoch 1; a run resumed in epoch e built them
+    with seed + e: other batches (length ties broken by another permutation), so the resumed run trained on
+    other batches than the run it continues, and a mid-epoch resume skipped the wrong ones (fairseq 0.12.2 used
+    ``numpy_seed(seed)`` whatever the epoch).
+
+    Only the train iterator that ``checkpoint_utils.load_checkpoint`` restores is changed, and only when an
+    uninterrupted run would have reused its epoch-1 batches: the task can reuse the dataset's iterator
+    (``can_reuse_epoch_itr``), the caller did not disable the cache (``disable_iterator_cache``: sharded data,
+    ``update_epoch_batch_itr``) and the task does not ``--rebuild-batches``. Its batches are then those of epoch
+    1 and the iterator is moved to its epoch. Every other iterator (an uninterrupted run, datasets that resample
+    or rebuild their batches each epoch such as ResamplingDataset, SampledMultiDataset, MultiCorpusDataset,
+    sharded data) is fairseq's own."""
+    import contextvars
     import inspect
 
+    from fairseq import checkpoint_utils
     from fairseq.tasks import FairseqTask
 
     original = FairseqTask.get_batch_iterator
     if getattr(original, "_fairseq_ext_wrapped", False):
         return
     signature = inspect.signature(original)
+    restoring = contextvars.ContextVar("fairseq_ext_restoring_train_iterator", default=False)
 
     def get_batch_iterator(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        epoch, dataset = bound.arguments["epoch"], bound.arguments["dataset"]
-        if epoch <= 1 or getattr(getattr(self, "cfg", None), "rebuild_batches", False) or \
+        a = bound.arguments
+        epoch, dataset = a["epoch"], a["dataset"]
+        reused_in_epoch_1 = (not a["disable_iterator_cache"] and not a.get("update_epoch_batch_itr", False)
+                             and not getattr(getattr(self, "cfg", None), "rebuild_batches", False)
+                             and self.can_reuse_epoch_itr(dataset))
+        if not restoring.get() or epoch <= 1 or not reused_in_epoch_1 or \
                 dataset in getattr(self, "dataset_to_epoch_iter", {}):
             return original(*bound.args, **bound.kwargs)
-        bound.arguments["epoch"] = 1
+        a["epoch"] = 1
         itr = original(*bound.args, **bound.kwargs)
         dataset.set_epoch(epoch)
         itr.epoch = epoch
         return itr
 
+    original_load_checkpoint = checkpoint_utils.load_checkpoint
+
+    def load_checkpoint(*args, **kwargs):
+        token = restoring.set(True)
+        try:
+            return original_load_checkpoint(*args, **kwargs)
+        finally:
+            restoring.reset(token)
+
     get_batch_iterator._fairseq_ext_wrapped = True
     get_batch_iterator.__doc__ = original.__doc__
+    get_batch_iterator.restoring = restoring  # for the tests
+    load_checkpoint._fairseq_ext_wrapped = True
+    load_checkpoint.__doc__ = original_load_checkpoint.__doc__
     FairseqTask.get_batch_iterator = get_batch_iterator
+    if not getattr(original_load_checkpoint, "_fairseq_ext_wrapped", False):
+        checkpoint_utils.load_checkpoint = load_checkpoint
 
 
 def install():
