@@ -32,13 +32,15 @@ if [ -z "${PYTHON:-}" ]; then
   if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
 fi
 
-# the pip constraints of this file apply to every install below; the machine's own pip config stays in force
-export PIP_CONSTRAINT="$ROOT/constraints.txt${PIP_CONSTRAINT:+ $PIP_CONSTRAINT}"
+# constraints.txt applies to every pip install below (passed as -c, so a checkout path with spaces works); the
+# machine's own pip config, PIP_CONSTRAINT included, stays in force beside it
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+CONSTRAINTS="$ROOT/constraints.txt"
 if [ "$KEEP_TORCH" = 1 ]; then
-  # keep whatever torch the user has: drop our torch pin, keep the torchaudio ban
-  grep -v '^torch==' "$ROOT/constraints.txt" > "$ROOT/.constraints-keep-torch.txt"
-  export PIP_CONSTRAINT="$ROOT/.constraints-keep-torch.txt"
+  # keep whatever torch the user has: drop our torch pin, keep the torchaudio ban for what pip installs
+  mkdir -p "$VENV"
+  CONSTRAINTS="$VENV/constraints-keep-torch.txt"
+  grep -v '^torch==' "$ROOT/constraints.txt" > "$CONSTRAINTS"
 fi
 
 fingerprint() {
@@ -65,7 +67,7 @@ if [ ! -x "$VPY" ]; then
 fi
 "$VPY" -c 'import sys; assert sys.version_info >= (3, 9), sys.version' \
   || { echo "install.sh: Python >= 3.9 is needed (set PYTHON=...)" >&2; exit 1; }
-PIP=("$VPY" -m pip install --progress-bar off)
+PIP=("$VPY" -m pip install --progress-bar off -c "$CONSTRAINTS")
 
 installed_version() { "$VPY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
 
@@ -100,12 +102,17 @@ say "installing fairseq_ext (editable)"
 "${PIP[@]}" --no-deps --no-build-isolation -e "$ROOT"
 
 say "checking the environment"
-"$VPY" - <<'PY'
-import importlib.util, sys
+FAIRSEQ_EXT_KEEP_TORCH=$KEEP_TORCH "$VPY" - <<'PY'
+import importlib.util, os, sys
 import torch, fairseq, fairseq_ext
-bad = [m for m in ("torchaudio",) if importlib.util.find_spec(m) is not None]
-if bad:
-    sys.exit(f"install.sh: {bad} must not be installed (it pulls another torch); remove it")
+if importlib.util.find_spec("torchaudio") is not None:
+    if os.environ["FAIRSEQ_EXT_KEEP_TORCH"] == "1":
+        # the user's own torchaudio (pytorch.org's `pip install torch torchvision torchaudio`, a PyTorch
+        # container), seen through --system-site-packages: it belongs to the user's torch and is harmless
+        print("install.sh --keep-torch: torchaudio is importable from your Python; fairseq_ext does not use it "
+              "(keep it only if it matches your torch)")
+    else:
+        sys.exit("install.sh: torchaudio must not be installed in this venv (it pulls another torch); remove it")
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, fairseq {fairseq.__version__}, "
       f"fairseq_ext {fairseq_ext.__version__}, cuda available: {torch.cuda.is_available()}")
 PY
