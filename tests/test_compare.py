@@ -13,10 +13,11 @@ import pytest
 from tests.helpers import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import compare  # noqa: E402
+import compare_report  # noqa: E402
+import compare_specs  # noqa: E402
 
 SCRIPT = os.path.join(ROOT, "benchmarks", "compare.py")
-ALL = [s.name for s in compare.model_specs()]
+ALL = [s.name for s in compare_specs.model_specs()]
 FIGURES = ["training_curves.png", "sat_speed_bleu.png", "msc_grad_norms.png", "sat_position_ce.png"]
 MY_NOTE = "Hand-written: keep me across re-runs."
 
@@ -35,8 +36,8 @@ def smoke(tmp_path_factory):
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     results_md = docs / "RESULTS.md"
     text = results_md.read_text()
-    begin, end = text.index(compare.COMMENTARY_BEGIN), text.index(compare.COMMENTARY_END)
-    results_md.write_text(text[:begin + len(compare.COMMENTARY_BEGIN)] + "\n" + MY_NOTE + "\n" + text[end:])
+    begin, end = text.index(compare_report.COMMENTARY_BEGIN), text.index(compare_report.COMMENTARY_END)
+    results_md.write_text(text[:begin + len(compare_report.COMMENTARY_BEGIN)] + "\n" + MY_NOTE + "\n" + text[end:])
     ckpt = work / "compare" / "checkpoints" / "transformer" / "checkpoint_avg.pt"
     mtime = ckpt.stat().st_mtime_ns
     results_first = json.loads((docs / "results.json").read_text())
@@ -52,7 +53,7 @@ def test_every_model_has_every_metric(smoke):
     assert list(res["models"]) == ALL
     assert res["meta"]["smoke"] is True and res["meta"]["max_update"] == 16
     for name, r in res["models"].items():
-        for key in compare.RESULT_KEYS:
+        for key in compare_specs.RESULT_KEYS:
             assert isinstance(r[key], (int, float)) and math.isfinite(r[key]), (name, key, r.get(key))
         assert r["train_updates"] == 16, name  # --max-update 16 binds before the smoke time budget
         # 16 updates are more than an epoch of the 300 smoke sentences (10-13 batches of 1024 tokens): the epoch
@@ -60,18 +61,18 @@ def test_every_model_has_every_metric(smoke):
         # with epoch 4, whose checkpoint is then the last one and is not counted twice
         expected = ["checkpoint3.pt", "checkpoint4.pt"] if name == "fconv_glu" else ["checkpoint1.pt", "checkpoint_last.pt"]
         assert r["averaged_checkpoints"] == expected, name
-        for key in compare.RESULT_KEYS:
+        for key in compare_specs.RESULT_KEYS:
             if not key.startswith("bleu"):
                 assert r[key] > 0, (name, key)
         assert 0 <= r["bleu_beam4"] <= 100 and 0 <= r["bleu_greedy"] <= 100
         assert r["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
-        assert r["test_sentences"] == compare.SMOKE_LINES["test"] and r["latency_sentences"] == 5
+        assert r["test_sentences"] == compare_specs.SMOKE_LINES["test"] and r["latency_sentences"] == 5
     # ratios are against the baseline of the same direction, so a baseline's own ratios are exactly 1
     models, ratios = res["models"], res["ratios"]
     assert models["bert_jam"]["baseline"] == "transformer_en_de" and models["sat_k4"]["baseline"] == "transformer"
     for name, base in (("transformer", "transformer"), ("sat_k2", "transformer"), ("bert_jam", "transformer_en_de"),
                        ("transformer_en_de", "transformer_en_de")):
-        for key in compare.RATIO_KEYS:
+        for key in compare_report.RATIO_KEYS:
             if models[base][key] == 0:  # BLEU 0 after 16 updates: no ratio
                 assert ratios[name][key] is None
             else:
@@ -111,7 +112,7 @@ def test_rerun_skips_finished_models_and_keeps_commentary(smoke):
     res = json.loads((smoke["docs"] / "results.json").read_text())
     assert res["models"] == smoke["results_first"]["models"]
     text = (smoke["docs"] / "RESULTS.md").read_text()
-    assert text.count(MY_NOTE) == 1 and compare.DEFAULT_COMMENTARY not in text
+    assert text.count(MY_NOTE) == 1 and compare_report.DEFAULT_COMMENTARY not in text
 
 
 def test_unknown_model_is_a_one_line_error(tmp_path):

@@ -1,0 +1,291 @@
+"""Report of benchmarks/compare.py: fairseq's json training logs parsed, ratios to the baselines, the markdown
+table, the figures drawn here, one measured sentence per claim of the papers, and RESULTS.md (whose hand-written
+commentary block is kept on a re-run)."""
+
+import json
+import os
+import platform
+import statistics
+
+from bench_sat import TARGETS as SAT_SPEEDUP_TARGETS  # (the SAT paper's batch-1 speed-ups)
+from compare_runner import CompareError
+from compare_specs import CORPUS_DESCRIPTION, RESULT_KEYS, SMOKE_LINES, SMOKE_VOCAB_SIZE, VOCAB_SIZE
+
+
+def json_records(log, kind):
+    """The json records of fairseq's log lines ``| INFO | <kind> | {...}``."""
+    out = []
+    if not log or not os.path.exists(log):
+        return out
+    tag = f"| {kind} | "
+    with open(log, errors="replace") as f:
+        for line in f:
+            i = line.find(tag)
+            if i >= 0:
+                try:
+                    out.append(json.loads(line[i + len(tag):]))
+                except ValueError:
+                    pass
+    return out
+
+
+def last_update(log):
+    recs = json_records(log, "train_inner")
+    return int(float(recs[-1]["num_updates"])) if recs else None
+
+
+def parse_train_log(log):
+    inner = json_records(log, "train_inner")
+    if not inner:
+        raise CompareError(f"{log}: no train_inner records (was it trained with --log-format json?)")
+    wps = [float(r["wps"]) for r in inner[1:] or inner]  # the first interval includes the warm-up
+    valid = json_records(log, "valid")
+    return {"train_updates": int(float(inner[-1]["num_updates"])), "train_tokens_per_s": statistics.median(wps),
+            "train_loss_last": float(inner[-1]["loss"]),
+            "valid_loss_last": float(valid[-1]["valid_loss"]) if valid else None}
+
+
+def fmt_minutes(seconds):
+    m = int(round(seconds / 60))
+    return f"{m // 60}h{m % 60:02d}" if m >= 60 else f"{max(seconds, 0) / 60:.1f} min"
+
+
+def machine():
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), platform.processor())
+    except OSError:
+        cpu = platform.processor()
+    import importlib.metadata as md
+
+    versions = {}
+    for pkg in ("torch", "fairseq-fixed", "sacrebleu"):
+        try:
+            versions[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), **versions,
+            "load_average": os.getloadavg()[0]}
+
+
+RATIO_KEYS = [k for k in RESULT_KEYS if k != "train_updates"]
+
+
+def ratios(results):
+    out = {}
+    for name, r in results.items():
+        base = results.get(r["baseline"])
+        if base is None:
+            continue
+        out[name] = {k: (r[k] / base[k] if base.get(k) else None) for k in RATIO_KEYS}
+    return out
+
+
+COLUMNS = [("params", "params (M)", 1e-6, 2), ("train_tokens_per_s", "train tok/s", 1, 0),
+           ("peak_rss_mb", "peak MB", 1, 0), ("bleu_beam4", "BLEU beam 4", 1, 2), ("bleu_greedy", "BLEU greedy", 1, 2),
+           ("latency_b1_ms_greedy", "ms/sent b1 greedy", 1, 1), ("latency_b1_ms_beam4", "ms/sent b1 beam 4", 1, 1),
+           ("throughput_b64_sent_s_greedy", "sent/s b64 greedy", 1, 1),
+           ("throughput_b64_sent_s_beam4", "sent/s b64 beam 4", 1, 1)]
+
+
+def table(results, rat):
+    """Markdown table: absolute numbers, with the ratio to the baseline of the same direction beside them."""
+    head = "| model | dir | updates | " + " | ".join(c[1] for c in COLUMNS) + " |"
+    lines = [head, "|" + "---|" * (3 + len(COLUMNS))]
+    for name, r in results.items():
+        cells = []
+        for key, _, scale, digits in COLUMNS:
+            v = r.get(key)
+            cell = "-" if v is None else f"{v * scale:.{digits}f}"
+            q = rat.get(name, {}).get(key)
+            if q is not None and name != r["baseline"]:
+                cell += f" ({q:.2f}x)"
+            cells.append(cell)
+        lines.append(f"| {r['label']} | {r['direction']} | {r['train_updates']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_training_curves(path, logs, results):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    drawn = 0
+    for name, log in logs.items():
+        recs = json_records(log, "train_inner")
+        if not recs:
+            continue
+        ax.plot([float(r["wall"]) / 60 for r in recs], [float(r["loss"]) for r in recs], label=results[name]["label"],
+                linewidth=1)
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return False
+    ax.set_xlabel("wall-clock minutes of training")
+    ax.set_ylabel("train loss (label-smoothed CE, bits/token)")
+    ax.set_title("training curves (SAT students: loss on the distilled data)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def sat_points(results):
+    """{beam name: [(K, BLEU, batch-1 speed-up over the baseline)]} for K = 1 (the baseline) and the students."""
+    base = results.get("transformer")
+    if base is None:
+        return {}
+    pts = {}
+    for mode in ("greedy", "beam4"):
+        pts[mode] = [(1, base[f"bleu_{mode}"], 1.0)]
+        for k in (2, 4, 6):
+            r = results.get(f"sat_k{k}")
+            if r:
+                pts[mode].append((k, r[f"bleu_{mode}"], base[f"latency_b1_ms_{mode}"] / r[f"latency_b1_ms_{mode}"]))
+    return pts
+
+
+def plot_sat_tradeoff(path, results):
+    import matplotlib.pyplot as plt
+
+    pts = sat_points(results)
+    if not pts or len(pts["greedy"]) < 2:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for mode, marker in (("greedy", "o"), ("beam4", "s")):
+        ks, bleu, speed = zip(*pts[mode])
+        ax.plot(speed, bleu, marker=marker, label="beam 1 (greedy)" if mode == "greedy" else "beam 4")
+        for k, b, s in pts[mode]:
+            ax.annotate(f"K={k}", (s, b), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("batch-1 decoding speed-up over the transformer (K=1)")
+    ax.set_ylabel("sacreBLEU (test)")
+    ax.set_title("SAT: speed vs quality (cf. the paper's Table 3)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def pct(a, b):
+    return f"{100 * a / b:.1f}%" if b else "n/a"
+
+
+def claims(results):
+    """One measured sentence per claim of the papers (only for the models that were run)."""
+    out = []
+    base, base_ende = results.get("transformer"), results.get("transformer_en_de")
+    for k in (2, 4, 6):
+        r = results.get(f"sat_k{k}")
+        if r and base:
+            sp = {m: base[f"latency_b1_ms_{m}"] / r[f"latency_b1_ms_{m}"] for m in ("greedy", "beam4")}
+            within = base["bleu_beam4"] > 0 and r["bleu_beam4"] >= 0.99 * base["bleu_beam4"]
+            fast = sp["greedy"] >= SAT_SPEEDUP_TARGETS["greedy"][k] and sp["beam4"] >= SAT_SPEEDUP_TARGETS["beam4"][k]
+            out.append(
+                f"- **SAT K={k}**: BLEU (beam 4) {r['bleu_beam4']:.2f} is {pct(r['bleu_beam4'], base['bleu_beam4'])} "
+                f"of the teacher's {base['bleu_beam4']:.2f} (paper: K=2 within ~1%, larger K lose more): "
+                + ("within 1%" if within else "not within 1%")
+                + f"; batch-1 speed-up {sp['greedy']:.2f}x greedy / {sp['beam4']:.2f}x beam 4 (paper: "
+                f"{SAT_SPEEDUP_TARGETS['greedy'][k]}x / {SAT_SPEEDUP_TARGETS['beam4'][k]}x): "
+                + ("reached" if fast else "not reached") + " (speed-ups also depend on how long the outputs are).")
+    m6, m12 = results.get("msc6"), results.get("msc12")
+    if m6 and m12:
+        d = m12["bleu_beam4"] - m6["bleu_beam4"]
+        out.append(f"- **MSC depth**: 12 encoder layers {m12['bleu_beam4']:.2f} vs 6 layers {m6['bleu_beam4']:.2f} "
+                   f"BLEU ({d:+.2f}) under the same wall-clock budget, with {m12['train_updates']} vs "
+                   f"{m6['train_updates']} updates (paper: deeper MSC encoders gain BLEU at convergence): "
+                   + ("a gain" if d > 0 else "no gain") + " here.")
+    for name, what in (("msc6", "MSC 6 layers"), ("msc12", "MSC 12 layers")):
+        r = results.get(name)
+        if r and base:
+            out.append(f"- **{what} vs transformer**: {r['bleu_beam4']:.2f} vs {base['bleu_beam4']:.2f} BLEU "
+                       f"({r['bleu_beam4'] - base['bleu_beam4']:+.2f}).")
+    bj = results.get("bert_jam")
+    if bj and base_ende:
+        d = bj["bleu_beam4"] - base_ende["bleu_beam4"]
+        out.append(f"- **BERT-JAM (phase 1) vs its transformer baseline, En->De**: {bj['bleu_beam4']:.2f} vs "
+                   f"{base_ende['bleu_beam4']:.2f} BLEU ({d:+.2f}; paper: gains of about 1-2 BLEU with all three "
+                   f"phases and a full-size BERT): " + ("a gain" if d > 0 else "no gain") + " here.")
+    fc = results.get("fconv_glu")
+    if fc and base:
+        d = fc["bleu_beam4"] - base["bleu_beam4"]
+        out.append(f"- **ConvS2S vs Transformer**: {fc['bleu_beam4']:.2f} vs {base['bleu_beam4']:.2f} BLEU ({d:+.2f}), "
+                   f"training {fc['train_tokens_per_s'] / base['train_tokens_per_s']:.2f}x the tokens/s, batch-64 "
+                   f"beam-4 decoding {fc['throughput_b64_sent_s_beam4'] / base['throughput_b64_sent_s_beam4']:.2f}x "
+                   f"(the Transformer paper reports it above ConvS2S in BLEU at lower training cost).")
+    return out
+
+
+COMMENTARY_BEGIN = "<!-- commentary:begin (hand-written; compare.py keeps this block) -->"
+COMMENTARY_END = "<!-- commentary:end -->"
+DEFAULT_COMMENTARY = ("_No hand-written commentary yet: add it here after a full run; the measured comparisons above "
+                      "are regenerated on every run._")
+
+
+def kept_commentary(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return DEFAULT_COMMENTARY
+    i, j = text.find(COMMENTARY_BEGIN), text.find(COMMENTARY_END)
+    return text[i + len(COMMENTARY_BEGIN): j].strip("\n") if 0 <= i < j else DEFAULT_COMMENTARY
+
+
+def write_results_md(path, out, figures):
+    meta, results = out["meta"], out["models"]
+    m = meta["machine"]
+    sig = next((r["bleu_signature"] for r in results.values()), "")
+    test_n = ", ".join(sorted({str(r["test_sentences"]) for r in results.values()}))
+    base = results.get("transformer")
+    lines = [
+        "# Results: every architecture on the bundled German-English corpus",
+        "",
+        "Generated by `python benchmarks/compare.py` (" + ("**smoke mode: tiny models, meaningless numbers**; "
+                                                          if meta["smoke"] else "") +
+        f"{meta['date']}). Re-run it to regenerate this page; the commentary block at the end is kept.",
+        "",
+        "## Setup",
+        "",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, fairseq-fixed "
+        f"{m['fairseq-fixed']}, sacreBLEU {m['sacrebleu']} (load average {m['load_average']:.1f} at the end).",
+        f"- Data: {CORPUS_DESCRIPTION}, joint sentencepiece BPE {VOCAB_SIZE // 1000}k, as `examples/quickstart.sh`"
+        + (f" (smoke: the first {'/'.join(map(str, SMOKE_LINES.values()))} lines, BPE {SMOKE_VOCAB_SIZE})"
+           if meta["smoke"] else "")
+        + f"; test sentences scored: {test_n}"
+        + (f"; distilling the training set for the SAT students took {meta['kd_minutes']:.1f} minutes"
+           if meta["kd_minutes"] else "") + ".",
+        f"- Budget: {meta['minutes_per_model']} wall-clock minutes of `fairseq-train` per model (`--stop-time-hours`)"
+        + (f", at most {meta['max_update']} updates" if meta["max_update"] else "")
+        + f", torch threads: {meta['train_threads']}; the SAT students train on the training set distilled by the "
+        "averaged baseline (beam 4) and start from it. Each model is evaluated with the average of its newest two "
+        "epoch checkpoints and its last checkpoint.",
+        f"- Measurements (torch threads: {meta['eval_threads']}): sacreBLEU of the detokenised test output with "
+        f"beam 4 and greedy (outputs bounded to 1.2 x source + 10 tokens), `{sig}`; latency at batch 1 over the "
+        f"first {meta['latency_sentences']} test sentences; throughput at batch 64 over the test set (sorted by "
+        "length); each model decodes with its task's generator (the SAT students with the package's semi-autoregressive "
+        "generator, the others with fairseq's `SequenceGenerator`); train tokens/s = median of fairseq's `wps` "
+        "(target tokens); peak memory = maximum RSS of the training process (which includes the ~350 MB of an "
+        "interpreter with torch and fairseq imported, as any `fairseq-train` has); parameters count every parameter (BERT-JAM's frozen MiniLM included; `params_trainable` "
+        "in results.json). Ratios in parentheses are model / transformer baseline of the same direction (for latency "
+        "and memory, above 1 is worse; for the others, above 1 is more).",
+        "",
+        "## Numbers",
+        "",
+        table(results, out["ratios"]),
+        "",
+    ]
+    if base:
+        lines += [f"The De->En transformer baseline reaches **{base['bleu_beam4']:.2f} BLEU** (beam 4) after "
+                  f"{base['train_updates']} updates in {meta['minutes_per_model']} minutes.", ""]
+    lines += ["## The papers' claims at this scale", ""] + (claims(results) or ["- (no comparable models were run)"])
+    lines += ["", "## Figures", ""]
+    for title, fig in figures.items():
+        lines += [f"### {title}", "", f"![{title}]({os.path.basename(fig)})", ""]
+    lines += ["## Commentary", "", COMMENTARY_BEGIN, kept_commentary(path), COMMENTARY_END, ""]
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write("\n".join(lines))
+    os.replace(path + ".tmp", path)
+
