@@ -20,7 +20,7 @@ from fairseq_ext.msc.criterion import (
     LabelSmoothedCrossEntropyL2Criterion,
     encoder_weight_matrices,
 )
-from fairseq_ext.msc.model import MSCContextFFN, MSCContextGRU, MSCGate
+from fairseq_ext.msc.model import MSCContextFFN, MSCContextGRU, MSCGate, msc_encoder_states
 from tests.builders import MSC_ABLATIONS as ABLATIONS
 from tests.builders import MSC_BLOCKS as BLOCKS
 from tests.builders import MscTask as _Task
@@ -70,23 +70,36 @@ def test_incremental_decoding_equals_full_pass(name):
 
 
 @pytest.mark.parametrize("name", ["msc", "no_block_scale", "plain"])
-def test_reorder_incremental_state_and_encoder_out_with_permutation(name):
+@pytest.mark.parametrize("beam", [1, 2])
+def test_reorder_incremental_state_and_encoder_out_as_beam_search_does(name, beam):
+    """fairseq's contract (SequenceGenerator, fairseq's own transformer): the encoder output is expanded to
+    `beam` rows per sentence, then every step permutes rows inside each sentence's beam, and finished sentences
+    leave the batch. The cross-attention caches are stock fairseq's (one per sentence when beam > 1, read from
+    the expansion), the MSC tensors are reordered lazily; every step equals the full pass."""
     model, d = build(extra=_flags(name))
     model.eval()
-    src, lengths, tgt = _batch(d, bsz=4)
-    perm = torch.tensor([2, 0, 3, 1])
+    src, lengths, _ = _batch(d, bsz=2, tgt_len=8)
+    g = torch.Generator().manual_seed(1)
+    tgt = torch.randint(d.nspecial, len(d), (2 * beam, 8), generator=g)  # one prefix per hypothesis
+    tgt[:, 0] = d.eos()
+    expand = torch.arange(2).repeat_interleave(beam)
+    within = torch.arange(2 * beam).view(2, beam).flip(1).reshape(-1)  # reverse each beam
+    keep = torch.arange(beam, 2 * beam)  # sentence 0 finished: rows of sentence 1 stay
     with torch.no_grad():
         enc = model.encoder(src, lengths)
-        full, _ = model.decoder(tgt, enc)
-        inc = {}
-        for t in range(3):
-            model.decoder(tgt[:, : t + 1], enc, incremental_state=inc)
-        enc_p = model.encoder.reorder_encoder_out(enc, perm)
-        model.decoder.reorder_incremental_state_scripting(inc, perm)
-        tgt_p = tgt[perm]
-        for t in range(3, tgt.size(1)):
-            step, _ = model.decoder(tgt_p[:, : t + 1], enc_p, incremental_state=inc)
-            assert_close(step[:, 0], full[perm, t], 1e-5, f"{name} reordered step {t}")
+        full, _ = model.decoder(tgt, model.encoder(src[expand], lengths[expand]))
+        enc_b = model.encoder.reorder_encoder_out(enc, expand)
+        inc, rows = {}, torch.arange(2 * beam)
+        for t in range(tgt.size(1)):
+            if t in (3, 5):
+                new_order = within if t == 3 else keep
+                model.decoder.reorder_incremental_state_scripting(inc, new_order)
+                enc_b = model.encoder.reorder_encoder_out(enc_b, new_order)
+                rows = rows[new_order]
+            step, _ = model.decoder(tgt[rows, : t + 1], enc_b, incremental_state=inc)
+            assert_close(step[:, 0], full[rows, t], 1e-5, f"{name} beam {beam} step {t}")
+            if t == 0:  # the cross-attention keys: one per sentence (2), not one per hypothesis (2 * beam)
+                assert model.decoder.layers[0].encoder_attn._get_input_buffer(inc)["prev_key"].size(0) == 2
 
 
 def test_encoder_out_carries_every_block_and_context_and_reorders_them():
@@ -104,7 +117,10 @@ def test_encoder_out_carries_every_block_and_context_and_reorders_them():
         for i in range(3):
             assert not torch.allclose(enc["msc_blocks"][i], enc["msc_blocks"][(i + 1) % 3])
         re = model.encoder.reorder_encoder_out(enc, perm)
-        enc2 = model.encoder(src[perm], lengths[perm])
+        re = model.encoder.reorder_encoder_out(re, torch.tensor([1, 1, 0, 3]))  # composes with the first order
+        enc2 = model.encoder(src[perm][[1, 1, 0, 3]], lengths[perm][[1, 1, 0, 3]])
+    assert re["msc_blocks"] is enc["msc_blocks"]  # lazy: applied by msc_encoder_states when needed
+    re["msc_blocks"], re["msc_contexts"] = msc_encoder_states(re)
     for key in ("msc_blocks", "msc_contexts", "encoder_out", "encoder_padding_mask", "encoder_embedding",
                 "src_lengths"):
         assert len(re[key]) == len(enc2[key])
@@ -408,6 +424,255 @@ def test_layer_grad_norms_are_logged_at_optimizer_step():
     assert not any(k.startswith("gnorm_enc") for k in agg2.get_smoothed_values())
 
 
+def _fp16_cfg(bf16, flatten):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "common": {"bf16": bf16, "fp16_no_flatten_grads": not flatten, "fp16_init_scale": 8, "fp16_scale_window": 128,
+                   "fp16_scale_tolerance": 0.0, "threshold_loss_scale": None, "min_loss_scale": 1e-4,
+                   "model_parallel_size": 1, "memory_efficient_bf16": False, "memory_efficient_fp16": False},
+        "optimizer": {"_name": "adam", "adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8, "weight_decay": 0.0,
+                      "use_old_adam": False, "fp16_adam_stats": False, "tpu": False, "lr": [1e-3]},
+        "optimization": {"lr": [1e-3], "update_freq": [1]},
+        "distributed_training": {"distributed_world_size": 1}})
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16_flat", "memory_efficient_fp16"])
+def test_layer_grad_norms_are_logged_behind_fairseq_fp16_optimizers(kind, monkeypatch):
+    """--fp16 / --bf16 train through fairseq's FP16Optimizer, whose torch optimizer steps fp32 copies of the
+    parameters (one per parameter for --bf16, one flat vector for --fp16); --memory-efficient-fp16 steps the
+    model's parameters. The trainer's sequence (scaled backward, multiply_grads(1/sample_size),
+    clip_grad_norm, step) must log each layer's norm of the unscaled, normalised gradient."""
+    from fairseq.optim.fp16_optimizer import FP16Optimizer, MemoryEfficientFP16Optimizer
+
+    if kind == "fp16_flat":  # fairseq keys the flat fp32 copy by the CUDA device; on CPU the params' index is None
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    model, d = build(extra=BLOCKS + ["--log-layer-grad-norms"])
+    if kind == "bf16":
+        model = model.to(torch.bfloat16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    cfg = _fp16_cfg(bf16=kind == "bf16", flatten=kind == "fp16_flat")
+    if kind == "memory_efficient_fp16":
+        opt = MemoryEfficientFP16Optimizer.build_optimizer(cfg, params, allow_unsupported=True)
+    else:
+        opt = FP16Optimizer.build_optimizer(cfg, params)
+    model.train()
+    src, lengths, tgt = _batch(d)
+    opt.zero_grad()  # as the trainer: also sets the fp16 unscaling factor 1 / loss scale
+    opt.backward(model(src, lengths, tgt)[0].float().pow(2).sum())
+    loss_scale = 1.0 if kind == "bf16" else 8.0  # fp16: the DynamicLossScaler's initial scale
+    expect = [math.sqrt(sum(float(p.grad.float().pow(2).sum()) for p in layer.parameters())) / loss_scale * 0.5
+              for layer in model.encoder.layers]
+    assert all(v > 1e-2 for v in expect)
+    opt.multiply_grads(0.5)  # 1 / sample_size
+    opt.clip_grad_norm(0.0)
+    with metrics.aggregate(new_root=True) as agg:
+        opt.step()
+    vals = agg.get_smoothed_values()
+    got = [vals.get(f"gnorm_enc_L{i}") for i in range(1, 7)]
+    assert None not in got, sorted(vals)
+    assert got == pytest.approx(expect, rel=1e-3, abs=1e-4)
+
+
+def test_layer_grad_norms_are_unscaled_when_the_optimizer_unscales_inside_its_step():
+    """fairseq's FP16Optimizer passes scale= to optimizers that unscale inside step() (FusedAdam on GPU):
+    their gradients are still multiplied by `scale` when the hook runs."""
+
+    class ScaledSGD(torch.optim.SGD):
+        def step(self, closure=None, scale=1.0):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale)
+            return super().step(closure)
+
+    model, d = build(extra=BLOCKS + ["--log-layer-grad-norms"])
+    model.train()
+    opt = ScaledSGD(model.parameters(), lr=0.0)
+    src, lengths, tgt = _batch(d)
+    model(src, lengths, tgt)[0].pow(2).mean().backward()
+    expect = [math.sqrt(sum(float(p.grad.pow(2).sum()) for p in layer.parameters())) / 4 for layer in model.encoder.layers]
+    with metrics.aggregate(new_root=True) as agg:
+        opt.step(scale=4.0)
+    vals = agg.get_smoothed_values()
+    assert [vals[f"gnorm_enc_L{i}"] for i in range(1, 7)] == pytest.approx(expect, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------------
+# L2 criterion: training only; refused under FSDP
+# ------------------------------------------------------------------------------------------------------
+def _l2_sample(d):
+    src, lengths, tgt = _batch(d)
+    target = torch.cat([tgt[:, 1:], torch.full_like(tgt[:, :1], d.eos())], 1)
+    return {"net_input": {"src_tokens": src, "src_lengths": lengths, "prev_output_tokens": tgt},
+            "target": target, "ntokens": int(target.ne(d.pad()).sum()), "id": torch.arange(3)}
+
+
+def test_l2_term_is_not_computed_outside_training(monkeypatch):
+    from fairseq_ext.msc import criterion as crit_mod
+
+    model, d = build(extra=BLOCKS)
+    crit = LabelSmoothedCrossEntropyL2Criterion(argparse.Namespace(target_dictionary=d), False, 0.1, l2_lambda=1e-3)
+    calls = []
+    real = crit_mod.encoder_l2
+    monkeypatch.setattr(crit_mod, "encoder_l2", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model.eval()
+    _, _, log = crit(model, _l2_sample(d))
+    assert not calls and "l2" not in log and "enc_wsq" not in log
+    model.train()
+    _, _, log = crit(model, _l2_sample(d))
+    assert calls == [1] and float(log["l2"]) > 0
+
+
+def test_l2_criterion_refuses_fully_sharded_data_parallel():
+    """--ddp-backend fully_sharded flattens each layer's parameters into 1-D shards (fairscale's
+    FullyShardedDataParallel, `..._fsdp_wrapped_module.flat_param_0`): the encoder's weight matrices are gone, so
+    the penalty would silently be 0. Refused from the config, and from the model if it reaches the criterion."""
+    from fairseq.dataclass.configs import FairseqConfig
+    from omegaconf import OmegaConf
+
+    from fairseq_ext.msc.criterion import LabelSmoothedCrossEntropyL2Config
+
+    model, d = build(extra=BLOCKS)
+    task = argparse.Namespace(target_dictionary=d)
+    cfg = OmegaConf.structured(FairseqConfig())
+    cfg.distributed_training.ddp_backend = "fully_sharded"
+    cfg.criterion = OmegaConf.structured(LabelSmoothedCrossEntropyL2Config())
+    assert cfg.criterion.ddp_backend == "fully_sharded"  # II("distributed_training.ddp_backend")
+    with pytest.raises(FairseqExtError, match="--ddp-backend fully_sharded"):
+        LabelSmoothedCrossEntropyL2Criterion.build_criterion(cfg.criterion, task)
+    cfg.criterion.l2_lambda = 0.0
+    LabelSmoothedCrossEntropyL2Criterion.build_criterion(cfg.criterion, task)  # no L2 term: fine
+    cfg.distributed_training.ddp_backend = "legacy_ddp"
+    cfg.criterion.l2_lambda = 1e-5
+    crit = LabelSmoothedCrossEntropyL2Criterion.build_criterion(cfg.criterion, task)
+
+    class FullyShardedDataParallel(torch.nn.Module):  # what fsdp_wrap leaves of a layer: one flat 1-D parameter
+        def __init__(self, layer):
+            super().__init__()
+            self.flat_param_0 = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in layer.parameters()]))
+            self.__dict__["layer"] = layer  # not a submodule: its parameters live in flat_param_0
+
+        def forward(self, *args, **kwargs):
+            return self.layer(*args, **kwargs)
+
+    model.encoder.layers[0] = FullyShardedDataParallel(model.encoder.layers[0])
+    model.train()
+    with pytest.raises(FairseqExtError, match="--ddp-backend fully_sharded"):
+        crit(model, _l2_sample(d))
+
+
+# ------------------------------------------------------------------------------------------------------
+# beam search: fairseq's beamable cross attention, stock reordering, lazy MSC tensors (issue 17.3)
+# ------------------------------------------------------------------------------------------------------
+def _legacy_decoding(model):
+    """The decoding path before issue 17.3: every MSC tensor reordered at every step, every cross-attention
+    cache reordered at every step (one cache per hypothesis), no beamable attention."""
+    from fairseq.modules import MultiheadAttention
+
+    enc_cls = type(model.encoder)
+
+    def reorder_encoder_out(encoder_out, new_order):
+        out = super(enc_cls, model.encoder).reorder_encoder_out(encoder_out, new_order)
+        out["msc_blocks"] = [b.index_select(1, new_order) for b in encoder_out["msc_blocks"]]
+        out["msc_contexts"] = [c.index_select(1, new_order) for c in encoder_out["msc_contexts"]]
+        return out
+
+    def reorder_incremental_state_scripting(incremental_state, new_order):
+        for module in model.decoder.modules():
+            if isinstance(module, MultiheadAttention):
+                buf = module._get_input_buffer(incremental_state)
+                for k in list(buf.keys()):
+                    if buf[k] is not None:
+                        buf[k] = buf[k].index_select(0, new_order)
+                module._set_input_buffer(incremental_state, buf)
+
+    model.encoder.reorder_encoder_out = reorder_encoder_out
+    model.decoder.reorder_incremental_state_scripting = reorder_incremental_state_scripting
+    model.set_beam_size = lambda beam: None
+    return model
+
+
+def _search(model, d, src, lengths, beam):
+    from fairseq.sequence_generator import SequenceGenerator
+
+    gen = SequenceGenerator([model], d, beam_size=beam, max_len_b=12)
+    with torch.no_grad():
+        out = gen.generate([model], {"net_input": {"src_tokens": src, "src_lengths": lengths}})
+    return [[(h["tokens"].tolist(), h["score"].item(), h["positional_scores"].tolist()) for h in hyps]
+            for hyps in out]
+
+
+@pytest.mark.parametrize("name", ["msc", "no_block_scale", "plain"])
+def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name):
+    """Beam 4 and greedy over a batch whose sentences finish at different steps (the batch shrinks): the same
+    hypotheses, scores and positional scores as the per-hypothesis path with eager reordering."""
+    results = []
+    for legacy in (False, True):
+        model, d = build(extra=_flags(name))
+        with torch.no_grad():
+            model.decoder.output_projection.weight[d.eos()] *= 1.3  # sentences end at different steps
+        model.eval()
+        if legacy:
+            _legacy_decoding(model)
+        src, lengths, _ = _batch(d, bsz=6, src_len=9)
+        results.append((_search(model, d, src, lengths, 4), _search(model, d, src, lengths, 1)))
+    (beam_new, greedy_new), (beam_old, greedy_old) = results
+    assert len({len(hyps[0][0]) for hyps in beam_new}) > 1  # lengths differ: finished sentences left the batch
+    for new, old in ((beam_new, beam_old), (greedy_new, greedy_old)):
+        for hyps_new, hyps_old in zip(new, old):
+            assert [h[0] for h in hyps_new] == [h[0] for h in hyps_old]
+            for (_, s_new, pos_new), (_, s_old, pos_old) in zip(hyps_new, hyps_old):
+                assert math.isclose(s_new, s_old, rel_tol=0, abs_tol=1e-6)
+                assert all(math.isclose(a, b, rel_tol=0, abs_tol=1e-6) for a, b in zip(pos_new, pos_old))
+
+
+def test_a_stale_beam_size_does_not_leak_into_greedy_search_or_training():
+    """fairseq calls set_beam_size only for beam > 1 and never resets it: after a beam-4 search, a greedy search
+    of 4 sentences and a training forward must still be exact (the decoder reads the width from the expansion
+    of the encoder output and uses width 1 outside a search)."""
+    model, d = build(extra=BLOCKS)
+    model.eval()
+    src, lengths, tgt = _batch(d, bsz=4)
+    greedy = _search(model, d, src, lengths, 1)
+    with torch.no_grad():
+        full = model(src, lengths, tgt)[0]
+    _search(model, d, src, lengths, 4)
+    assert all(m.beam_size == 4 for m in (model.decoder.layers[0].encoder_attn, model.decoder.layers[0].context_attn))
+    assert _search(model, d, src, lengths, 1) == greedy
+    with torch.no_grad():
+        assert torch.equal(model(src, lengths, tgt)[0], full)
+    model.train()
+    assert torch.equal(model(src, lengths, tgt)[0].detach(), full)  # dropout is 0
+
+
+# ------------------------------------------------------------------------------------------------------
+# encoder and decoder of different widths (issue 15.5, review BUG-2)
+# ------------------------------------------------------------------------------------------------------
+def test_encoder_and_decoder_widths_may_differ():
+    """As fairseq's transformer: the decoder's attentions over B^n and C^n take keys/values of the encoder width."""
+    model, d = build(extra=BLOCKS + ["--encoder-embed-dim", "16", "--decoder-embed-dim", "24",
+                                     "--encoder-ffn-embed-dim", "24", "--decoder-ffn-embed-dim", "32",
+                                     "--encoder-attention-heads", "2", "--decoder-attention-heads", "2",
+                                     "--dropout", "0", "--attention-dropout", "0"], tiny=False)
+    for layer in model.decoder.layers:
+        assert (layer.context_attn.kdim, layer.context_attn.vdim, layer.context_attn.embed_dim) == (16, 16, 24)
+    model.eval()
+    src, lengths, tgt = _batch(d)
+    with torch.no_grad():
+        enc = model.encoder(src, lengths)
+        assert enc["msc_contexts"][1].size(-1) == 16
+        full, _ = model.decoder(tgt, enc)
+        inc = {}
+        for t in range(tgt.size(1)):
+            step, _ = model.decoder(tgt[:, : t + 1], enc, incremental_state=inc)
+            assert_close(step[:, 0], full[:, t], 1e-5, f"step {t}")
+    assert all(len(h) == 4 for h in _search(model, d, src, lengths, 4))
+    model.train()
+    model(src, lengths, tgt)[0].sum().backward()
+    assert model.decoder.layers[0].context_attn.k_proj.weight.grad.shape == (24, 16)
+
+
 # ------------------------------------------------------------------------------------------------------
 # fairseq CLI through --user-dir: train (L2 criterion, grad norms, tensorboard), generate, interactive, plot
 # ------------------------------------------------------------------------------------------------------
@@ -509,7 +774,7 @@ RECIPES = [
      ["--beam 5"]),
     ("wmt14_en_de.sh", ["--size", "base", "--depth", "48"],
      dict(arch="msc_transformer_wmt_en_de_48l", adam_betas="(0.9, 0.98)", warmup_updates=8000,
-          max_update=100000, update_freq=[8], max_tokens=1024, label_smoothing=0.1),
+          max_update=100000, update_freq=[2], max_tokens=4096, label_smoothing=0.1),
      ["--beam 4", "--lenpen 0.6", "--num-epoch-checkpoints 5", "vocab_size=32000", "##AT##-##AT##"]),
     ("wmt14_en_de.sh", ["--size", "big", "--depth", "18"],
      dict(arch="msc_transformer_wmt_en_de_big_18l", adam_betas="(0.9, 0.998)", warmup_updates=16000,

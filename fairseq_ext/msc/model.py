@@ -124,8 +124,11 @@ class MSCContextFFN(nn.Module):
         return self.fc2(torch.relu(self.fc1(torch.cat([c_prev, b], dim=-1))))
 
 
-def _context_attention(embed_dim, heads, cfg):
-    return MultiheadAttention(embed_dim, heads, kdim=embed_dim, vdim=embed_dim, dropout=cfg.attention_dropout,
+def _context_attention(embed_dim, heads, cfg, context_dim):
+    """Attn_c: queries of the layer's width ``embed_dim``, keys/values C^n of the encoder width ``context_dim``
+    (they differ in the decoder when ``--decoder-embed-dim`` != ``--encoder-embed-dim``, as fairseq's
+    encoder-decoder attention allows)."""
+    return MultiheadAttention(embed_dim, heads, kdim=context_dim, vdim=context_dim, dropout=cfg.attention_dropout,
                               encoder_decoder_attention=True)
 
 
@@ -138,7 +141,8 @@ class MSCEncoderLayer(TransformerEncoderLayerBase):
     def __init__(self, cfg, context_attention: bool, gated: bool):
         super().__init__(cfg)
         d = self.embed_dim
-        self.context_attn = _context_attention(d, cfg.encoder.attention_heads, cfg) if context_attention else None
+        self.context_attn = (_context_attention(d, cfg.encoder.attention_heads, cfg, d)
+                             if context_attention else None)
         self.gate = MSCGate(d) if (context_attention and gated) else None
 
     def forward(self, x, encoder_padding_mask: Optional[Tensor], context: Optional[Tensor] = None):
@@ -163,7 +167,8 @@ class MSCDecoderLayer(TransformerDecoderLayerBase):
     def __init__(self, cfg, context_attention: bool, gated: bool):
         super().__init__(cfg, no_encoder_attn=False)
         d = self.embed_dim
-        self.context_attn = _context_attention(d, cfg.decoder.attention_heads, cfg) if context_attention else None
+        self.context_attn = (_context_attention(d, cfg.decoder.attention_heads, cfg, cfg.encoder.embed_dim)
+                             if context_attention else None)
         self.gate = MSCGate(d) if (context_attention and gated) else None
 
     def forward(
@@ -192,7 +197,7 @@ class MSCDecoderLayer(TransformerDecoderLayerBase):
                                       static_kv=True, need_weights=need_attn or (not self.training and self.need_attn),
                                       need_head_weights=need_head_weights)
         a_c = None
-        if self.context_attn is not None and context is not None:
+        if self.context_attn is not None:  # context is None when its keys/values are cached
             a_c, _ = self.context_attn(query=q, key=context, value=context, key_padding_mask=encoder_padding_mask,
                                        incremental_state=incremental_state, static_kv=True, need_weights=False)
         x = residual + self.dropout_module(_fuse(self.gate, a_h, a_c))  # S_d^n
@@ -319,12 +324,41 @@ class MSCEncoder(TransformerEncoderBase):
 
     @torch.jit.export
     def reorder_encoder_out(self, encoder_out: Dict[str, List[Tensor]], new_order):
+        """fairseq's keys are reordered as by fairseq's encoder; the 2N+1 MSC tensors are reordered lazily:
+        ``msc_order`` composes the batch index (one small index op per search step) and
+        ``msc_encoder_states`` applies it only when the decoder computes its cross-attention keys and values
+        (the first search step; the keys and values are cached after it)."""
         out = super().reorder_encoder_out(encoder_out, new_order)
-        out["msc_blocks"] = [b.index_select(1, new_order) for b in encoder_out["msc_blocks"]]
-        out["msc_contexts"] = [c.index_select(1, new_order) for c in encoder_out["msc_contexts"]]
-        if out["msc_blocks"]:
-            out["encoder_out"] = [out["msc_blocks"][-1]]
+        order = encoder_out.get("msc_order", [])
+        out["msc_order"] = [order[0].index_select(0, new_order) if order else new_order]
+        out["msc_blocks"] = encoder_out["msc_blocks"]
+        out["msc_contexts"] = encoder_out["msc_contexts"]
         return out
+
+
+def msc_encoder_states(encoder_out: Dict[str, List[Tensor]]):
+    """``([LN_1(B^1) .. LN_N(B^N)], [C^0 .. C^N])`` of ``encoder_out`` in its current batch order (applies the
+    pending lazy reorder of ``reorder_encoder_out``)."""
+    blocks, contexts = encoder_out["msc_blocks"], encoder_out["msc_contexts"]
+    order = encoder_out.get("msc_order", [])
+    if order:
+        blocks = [b.index_select(1, order[0]) for b in blocks]
+        contexts = [c.index_select(1, order[0]) for c in contexts]
+    return blocks, contexts
+
+
+def _beam_of(encoder_out: Dict[str, List[Tensor]]) -> int:
+    """k if ``encoder_out`` was expanded for a beam search of width k (each sentence repeated k times in a
+    row, as ``SequenceGenerator`` does before its first step), else 1."""
+    order = encoder_out.get("msc_order", [])
+    if not order or not encoder_out["msc_blocks"]:
+        return 1
+    n, total = encoder_out["msc_blocks"][0].size(1), order[0].numel()
+    if total <= n or total % n != 0:
+        return 1
+    k = total // n
+    expanded = torch.arange(n, device=order[0].device).repeat_interleave(k)
+    return k if torch.equal(order[0], expanded) else 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -342,24 +376,12 @@ class MSCDecoder(TransformerDecoderBase):
         # as fairseq: with --ddp-backend fully_sharded each (checkpointed) layer is its own FSDP unit
         return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations else cfg.min_params_to_wrap)
 
-    def reorder_incremental_state_scripting(self, incremental_state, new_order: Tensor):
-        """Reorder every cache for *any* permutation of the batch. fairseq's MultiheadAttention leaves the
-        static (encoder-side) caches alone when the batch size is unchanged, which is right only for a
-        permutation inside each beam; here the encoder and context attention caches are reordered too
-        (one index_select per cross attention and step). With beam > 1 fairseq keeps one static cache per
-        sentence and its own reordering is used."""
-        for module in self.modules():
-            if module is self or not hasattr(module, "reorder_incremental_state"):
-                continue
-            if isinstance(module, MultiheadAttention) and module.encoder_decoder_attention and module.beam_size == 1:
-                buf = module._get_input_buffer(incremental_state)
-                if buf:
-                    for k in list(buf.keys()):
-                        if buf[k] is not None:
-                            buf[k] = buf[k].index_select(0, new_order)
-                    module._set_input_buffer(incremental_state, buf)
-            else:
-                module.reorder_incremental_state(incremental_state, new_order)
+    def _cross_attention_cached(self, incremental_state) -> bool:
+        """True once the cross attentions hold their static keys/values (every search step after the first)."""
+        if incremental_state is None:
+            return False
+        buf = self.layers[0].encoder_attn._get_input_buffer(incremental_state)
+        return "prev_key" in buf
 
     def extract_features_scriptable(
         self,
@@ -373,10 +395,21 @@ class MSCDecoder(TransformerDecoderBase):
         if alignment_layer is None:
             alignment_layer = self.num_layers - 1
         assert encoder_out is not None, "msc_transformer's decoder needs the encoder output"
-        blocks, contexts = encoder_out["msc_blocks"], encoder_out["msc_contexts"]
-        padding_mask = encoder_out["encoder_padding_mask"][0] if encoder_out["encoder_padding_mask"] else None
-        if padding_mask is not None and not padding_mask.any():
-            padding_mask = None
+        blocks: List[Tensor] = []
+        contexts: List[Tensor] = []
+        padding_mask: Optional[Tensor] = None
+        if not self._cross_attention_cached(incremental_state):
+            # full pass, or the first step of a search: the cross attentions compute keys/values from B^n, C^n.
+            # In a beam search of width k they do it once per sentence (fairseq's beamable encoder-decoder
+            # attention; stock reorder_incremental_state keeps one static cache per sentence). The width is read
+            # from the expansion of encoder_out here rather than trusted from set_beam_size, which fairseq calls
+            # only for k > 1 and never resets (a later greedy search or training step would see a stale k).
+            self.set_beam_size(_beam_of(encoder_out) if incremental_state is not None else 1)
+            blocks, contexts = msc_encoder_states(encoder_out)
+            if encoder_out["encoder_padding_mask"]:
+                padding_mask = encoder_out["encoder_padding_mask"][0]
+                if not padding_mask.any():
+                    padding_mask = None
 
         prev_output_tokens, positions = newest_positions(self, prev_output_tokens, incremental_state)
         x = embed_decoder_input(self, prev_output_tokens, positions)  # B_d^0, T x B x C
@@ -392,9 +425,12 @@ class MSCDecoder(TransformerDecoderBase):
         inner_states: List[Optional[Tensor]] = [x]
         for n, layer in enumerate(self.layers):
             # Eq. 7/11: decoder layer n attends to B_e^n and C^n; without Bsc to the top block and C^N
-            enc = blocks[n] if self.msc.block_scale else blocks[-1]
-            ctx = None
-            if self.msc.contextual:
+            # (after the first search step the keys/values are cached: enc = ctx = None)
+            enc: Optional[Tensor] = None
+            ctx: Optional[Tensor] = None
+            if blocks:
+                enc = blocks[n] if self.msc.block_scale else blocks[-1]
+            if contexts:
                 ctx = contexts[n + 1] if self.msc.block_scale else contexts[-1]
             x, layer_attn, _ = layer(x, enc, padding_mask, incremental_state, ctx,
                                      self_attn_mask=self_attn_mask, self_attn_padding_mask=self_attn_padding_mask,
@@ -460,40 +496,99 @@ class MSCTransformerModel(TransformerModel):
     def build_decoder(cls, cfg, tgt_dict, embed_tokens):
         return MSCDecoder(TransformerConfig.from_namespace(cfg), tgt_dict, embed_tokens)
 
+    def set_beam_size(self, beam):
+        """Called by fairseq's SequenceGenerator (beam > 1): fairseq's beamable encoder-decoder attention, i.e.
+        the 2N cross attentions compute their keys/values once per sentence instead of once per hypothesis. The
+        decoder checks the width again at the first step of every search (see ``_beam_of``)."""
+        self.decoder.set_beam_size(beam)
+
     # ---- Fig. 5: per-encoder-layer gradient norms -------------------------------------------------------
     def encoder_layer_grad_norms(self) -> List[float]:
         """L2 norm of the gradient of every encoder layer's parameters (0.0 for a layer without grads)."""
-        norms = []
-        for layer in self.encoder.layers:
-            sq = [p.grad.detach().float().pow(2).sum() for p in layer.parameters() if p.grad is not None]
-            norms.append(float(torch.stack(sq).sum().sqrt()) if sq else 0.0)
-        return norms
+        layers = [[(p, None) for p in layer.parameters()] for layer in self.encoder.layers]
+        return _layer_grad_norms(layers).tolist()
+
+    def _layer_grads_in(self, optimizer):
+        """Where ``optimizer`` keeps the gradients of each encoder layer: per layer a list of (parameter, slice
+        of it or None), or None if ``optimizer`` does not train this model.
+
+        * fp32 training, fairseq's ``--memory-efficient-fp16/bf16``: the model's own parameters.
+        * fairseq's ``FP16Optimizer`` (``--fp16``, ``--bf16``): the torch optimizer steps fp32 copies of the
+          trainable parameters, in ``model.parameters()`` order, either one copy per parameter (``--bf16``,
+          ``--fp16-no-flatten-grads``) or one flat vector (``--fp16``). Its gradients are the model's,
+          unscaled (and clipped) before the step; the copies are recognised by their shapes and by their values
+          (equal to the model's parameters up to the model's dtype)."""
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        index = {id(p): i for i, p in enumerate(trainable)}
+        per_layer = [[index[id(p)] for p in layer.parameters() if id(p) in index] for layer in self.encoder.layers]
+        opt_params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not trainable or not opt_params:
+            return None
+        if any(id(p) in index for p in opt_params[:64]):
+            return [[(trainable[i], None) for i in layer] for layer in per_layer]
+
+        def same_values(copy, p):
+            n = min(p.numel(), 16)
+            return torch.equal(copy.detach().reshape(-1)[:n].to(p.dtype), p.detach().reshape(-1)[:n])
+
+        if (len(opt_params) >= len(trainable) and all(c.shape == p.shape for c, p in zip(opt_params, trainable))
+                and same_values(opt_params[0], trainable[0])):
+            return [[(opt_params[i], None) for i in layer] for layer in per_layer]
+        flat = opt_params[0]
+        offsets = [0]
+        for p in trainable:
+            offsets.append(offsets[-1] + p.numel())
+        if (len(opt_params) == 1 and flat.dim() == 1 and flat.numel() >= offsets[-1]
+                and same_values(flat, trainable[0])):
+            return [[(flat, slice(offsets[i], offsets[i + 1])) for i in layer] for layer in per_layer]
+        return None
 
     def install_layer_grad_norm_logging(self):
         """Log ``gnorm_enc_L{i}`` right before every optimizer step, i.e. after fairseq has normalised (and
         clipped) the gradients, inside the trainer's ``train``/``train_inner`` metric aggregation.
-        A global optimizer pre-hook is used because the gradients are final only there."""
+        A global optimizer pre-hook is used because the gradients are final only there; it finds this model's
+        gradients in fp32 training and behind fairseq's fp16/bf16 optimizers (``_layer_grads_in``), ignores
+        other optimizers and does nothing once the model is gone."""
         if getattr(self, "_grad_norm_hook", None) is not None:
             return
         ref = weakref.ref(self)
         width = len(str(len(self.encoder.layers)))
-        param_ids = None
+        sources = weakref.WeakKeyDictionary()  # optimizer -> per-layer gradient sources (None: not this model)
 
         def hook(optimizer, args, kwargs):
             model = ref()
             if model is None or not model.training:
                 return None
-            nonlocal param_ids
-            if param_ids is None:
-                param_ids = {id(p) for p in model.parameters()}
-            opt_params = [p for g in optimizer.param_groups for p in g["params"]]
-            if not any(id(p) in param_ids for p in opt_params[:64]):
+            if optimizer not in sources:
+                sources[optimizer] = model._layer_grads_in(optimizer)
+            layers = sources[optimizer]
+            if layers is None:
                 return None  # another model's optimizer
-            for i, v in enumerate(model.encoder_layer_grad_norms()):
+            norms = _layer_grad_norms(layers)
+            scale = kwargs.get("scale", 1.0)  # FP16Optimizer + an optimizer that unscales inside step()
+            if torch.is_tensor(scale) or scale != 1.0:
+                norms = norms / scale
+            for i, v in enumerate(norms.tolist()):
                 metrics.log_scalar(f"gnorm_enc_L{i + 1:0{width}d}", v, weight=1, round=4, priority=2000 + i)
             return None
 
         self._grad_norm_hook = register_optimizer_step_pre_hook(hook)
+
+
+def _layer_grad_norms(layers) -> Tensor:
+    """One L2 norm per layer (0 for a layer without gradients) of the gradients named by ``(parameter, slice or
+    None)`` pairs; a CPU tensor (one host sync)."""
+    norms: List[Optional[Tensor]] = []
+    device = None
+    for layer in layers:
+        grads = [(p.grad if s is None else p.grad[s]).detach().float() for p, s in layer if p.grad is not None]
+        v = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else None
+        if v is not None:
+            device = v.device
+        norms.append(v)
+    if device is None:
+        return torch.zeros(len(norms))
+    return torch.stack([v if v is not None else torch.zeros((), device=device) for v in norms]).cpu()
 
 
 # --------------------------------------------------------------------------------------------------------
