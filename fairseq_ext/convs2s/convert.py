@@ -4,6 +4,13 @@
 
 Parameters are renamed by :func:`fairseq_ext.convs2s.model.upgrade_fconv_state_dict`, the architecture name is
 mapped (``fconv_iwslt_de_en`` -> ``fconv_glu_iwslt_de_en``, ...), and the result is written atomically.
+
+The optimizer state (``last_optimizer_state``, e.g. NAG's momentum) is dropped, not converted: fairseq's optimizer
+state is positional, and ``fconv`` registers all decoder convolutions before all attention layers where
+``fconv_glu`` interleaves them per layer, so it would give layers another layer's momentum (or fail on shapes).
+``fairseq-train --restore-file OUT`` therefore continues from the converted weights with a fresh optimizer and
+learning-rate schedule (fairseq restores both only together with the optimizer state); the epoch and the data
+iterator position are kept.
 """
 
 import argparse
@@ -56,6 +63,7 @@ def convert_fconv_checkpoint(src, dst):
         raise FairseqExtError(f"{src}: not a fairseq fconv checkpoint (architecture {arch!r}); "
                               f"expected one of {', '.join(sorted(_FCONV_TO_GLU))}")
     upgrade_fconv_state_dict(state["model"])
+    state.pop("last_optimizer_state", None)  # positional, in fconv's parameter order (see the module docstring)
     atomic_torch_save(state, dst)
     return state
 
@@ -72,7 +80,8 @@ def main(argv=None):
     src, dst = args.convert_from_fconv
     state = convert_fconv_checkpoint(src, dst)
     n = sum(v.numel() for v in state["model"].values() if torch.is_tensor(v))
-    print(f"wrote {dst} ({n} parameters)")
+    print(f"wrote {dst} ({n} parameters; the optimizer state is not converted: fairseq-train --restore-file "
+          f"{dst} continues with a fresh optimizer and learning-rate schedule)")
     return 0
 
 

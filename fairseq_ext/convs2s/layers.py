@@ -9,8 +9,18 @@ Inference speed: a parametrised weight is recomputed from (g, v) at every access
 needed (g and v change each step), but in generation fairseq's ``fconv`` recomputes every weight norm,
 including the one of the |V| x d output projection, at every decoding step. :func:`normed_weight` instead
 caches w while ``torch.is_grad_enabled()`` is False and the module is in eval mode, keyed by the version
-counters and storage of g and v, so any in-place update (optimizer step, ``load_state_dict``) or ``.to()``
-invalidates it; the first forward in training mode frees it again (no stale copy held during training).
+counters and storage of g and v. What invalidates it:
+
+* an in-place operation on g or v themselves (``p.mul_()``, ``load_state_dict``, torch optimizers that update
+  the parameters in place), which bumps their version counter, and ``.to()`` / ``.half()`` (new storage);
+* any ``train()`` / ``eval()`` call on the model (``fairseq-generate``, ``fairseq-interactive`` and the hub
+  call ``eval()`` before decoding), and every forward in training mode or with autograd enabled, which also
+  frees the copy (none is held during training).
+
+What does not: a write through ``.data`` (``p.data.mul_()``, ``p.data.copy_()``), which bypasses the version
+counter. fairseq's own optimizers (NAG, Adam) update through ``.data``; inside ``fairseq-train`` that is safe,
+since each step follows a forward with autograd, which drops the cache. Code that changes the weights through
+``.data`` between two inference forwards must call ``model.eval()`` again or :func:`clear_weight_cache`.
 """
 
 import math
@@ -51,7 +61,21 @@ def normed_weight(module, transform=None, tag="w"):
     return hit[1]
 
 
-class _WNLinear(nn.Linear):
+def clear_weight_cache(model):
+    """Drop the inference copies of every weight-normalised layer in ``model`` (after writes through ``.data``)."""
+    for m in model.modules():
+        m.__dict__.pop("_wn_cache", None)
+
+
+class _WeightCache:
+    """Mixin: ``train()`` / ``eval()`` start from the current weights (drop the inference copy)."""
+
+    def train(self, mode=True):
+        self.__dict__.pop("_wn_cache", None)
+        return super().train(mode)
+
+
+class _WNLinear(_WeightCache, nn.Linear):
     def forward(self, x):
         return F.linear(x, normed_weight(self), self.bias)
 
@@ -64,7 +88,7 @@ def WNLinear(in_features, out_features, dropout=0.0):
     return weight_norm(m, name="weight", dim=0)
 
 
-class _WNConvTBC(ConvTBC):
+class _WNConvTBC(_WeightCache, ConvTBC):
     """fairseq's ConvTBC (time x batch x channel, weight kw x in x out) with a weight-normalised kernel."""
 
     def forward(self, x):
@@ -85,7 +109,7 @@ def WNConvTBC(in_channels, out_channels, kernel_size, dropout=0.0, padding=0):
 
 
 @with_incremental_state
-class _CausalConvTBC(ConvTBC):
+class _CausalConvTBC(_WeightCache, ConvTBC):
     """Causal 1-D convolution of the decoder: output i sees inputs i-k+1..i only.
 
     Full pass (time x batch x channel): ``conv_tbc`` with k-1 frames of padding on both sides, then the

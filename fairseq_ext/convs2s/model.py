@@ -496,10 +496,13 @@ def upgrade_fconv_state_dict(state_dict, prefix="", model=None):
     """In place: map a fairseq ``fconv`` state dict (or one saved with ``torch.nn.utils.weight_norm``) onto
     ``fconv_glu`` names. ``X.weight_g``/``X.weight_v`` become ``X.parametrizations.weight.original0/1``;
     decoder convolutions of version-1 fconv checkpoints (weight norm over dim 0, a fairseq bug fixed in
-    2017) are re-normalised over the output channel."""
+    2017) are re-normalised over the output channel. As in fairseq's ``FConvDecoder.upgrade_state_dict``, an
+    fconv state dict (``decoder.convolutions.*`` keys) without ``decoder.version`` is version 1."""
     old_version = None
     if prefix + "decoder.version" in state_dict:
         old_version = float(state_dict.pop(prefix + "decoder.version").reshape(-1)[0])
+    elif any(k.startswith(prefix + "decoder.convolutions.") for k in state_dict):
+        old_version = 1.0  # fairseq: a missing version is version 1 (its buffer was added with version 2)
     for key in list(state_dict.keys()):
         if not key.startswith(prefix):
             continue
