@@ -22,6 +22,10 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 run() {
   if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi
 }
+# run_sh "command line" (pipes, redirections): print it with --dry-run, else run it with bash
+run_sh() {
+  if [ "$DRY_RUN" = 1 ]; then printf '%s\n' "$1"; else bash -c "set -euo pipefail; $1"; fi
+}
 
 if [ "$DRY_RUN" = 0 ]; then
   [ -f "$BIN/dict.$SRC.txt" ] || { echo "$(basename "$0"): BIN=$BIN has no dict.$SRC.txt; binarise the data first (see the header)" >&2; exit 1; }
@@ -68,19 +72,17 @@ start_from() {
 # 4. average the last 10 epoch checkpoints of phase 3, translate the test set, score
 run python -m fairseq_ext.average_checkpoints --inputs "$SAVE/phase3" --num-epoch-checkpoints 10 \
   --output "$SAVE/phase3/checkpoint_avg10.pt"
-if [ "$DRY_RUN" = 1 ]; then
-  run fairseq-generate "$BIN" --user-dir "$USER_DIR" --task translation_bert --source-lang "$SRC" --target-lang "$TGT" \
-    --path "$SAVE/phase3/checkpoint_avg10.pt" --gen-subset test --batch-size 128 --remove-bpe "${GEN_ARGS[@]}"
-else
-  fairseq-generate "$BIN" --user-dir "$USER_DIR" --task translation_bert --source-lang "$SRC" --target-lang "$TGT" \
-    --path "$SAVE/phase3/checkpoint_avg10.pt" --gen-subset test --batch-size 128 --remove-bpe "${GEN_ARGS[@]}" \
-    > "$SAVE/generate-test.txt"
-  grep -P '^H-[0-9]+\t' "$SAVE/generate-test.txt" | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > "$SAVE/test.hyp"
-  grep -P '^T-[0-9]+\t' "$SAVE/generate-test.txt" | sed 's/^T-//' | sort -n -k1,1 | cut -f2 > "$SAVE/test.ref"
-  if [ "${COMPOUND_SPLIT:-0}" = 1 ]; then  # Vaswani et al. 2017 / the paper's WMT14 scoring
-    for f in hyp ref; do perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g' < "$SAVE/test.$f" > "$SAVE/test.$f.cs"; done
-    fairseq-score --sys "$SAVE/test.hyp.cs" --ref "$SAVE/test.ref.cs" | tee "$SAVE/bleu.txt"
-  else  # tokenised BLEU as multi-bleu.perl (the paper's IWSLT'14 numbers)
-    fairseq-score --sys "$SAVE/test.hyp" --ref "$SAVE/test.ref" | tee "$SAVE/bleu.txt"
-  fi
+GEN=(fairseq-generate "$BIN" --user-dir "$USER_DIR" --task translation_bert --source-lang "$SRC" --target-lang "$TGT"
+  --path "$SAVE/phase3/checkpoint_avg10.pt" --gen-subset test --batch-size 128 --remove-bpe "${GEN_ARGS[@]}")
+run_sh "$(printf '%q ' "${GEN[@]}")> $(printf '%q' "$SAVE/generate-test.txt")"
+S=$(printf '%q' "$SAVE")
+run_sh "grep -P '^H-[0-9]+\t' $S/generate-test.txt | sed 's/^H-//' | sort -n -k1,1 | cut -f3 > $S/test.hyp"
+run_sh "grep -P '^T-[0-9]+\t' $S/generate-test.txt | sed 's/^T-//' | sort -n -k1,1 | cut -f2 > $S/test.ref"
+if [ "${COMPOUND_SPLIT:-0}" = 1 ]; then  # Vaswani et al. 2017 / the paper's WMT14 scoring
+  for f in hyp ref; do
+    run_sh "perl -ple 's{(\S)-(\S)}{\$1 ##AT##-##AT## \$2}g' < $S/test.$f > $S/test.$f.cs"
+  done
+  run_sh "fairseq-score --sys $S/test.hyp.cs --ref $S/test.ref.cs | tee $S/bleu.txt"
+else  # tokenised BLEU as multi-bleu.perl (the paper's IWSLT'14 numbers)
+  run_sh "fairseq-score --sys $S/test.hyp --ref $S/test.ref | tee $S/bleu.txt"
 fi

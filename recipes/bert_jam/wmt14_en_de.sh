@@ -5,7 +5,7 @@
 #
 # Inputs (environment variables, defaults in brackets):
 #   TEXT  [data/wmt14_en_de]       Moses-tokenised, BPE'd text (train/valid/test.{en,de}), e.g. from fairseq's
-#         examples/translation/prepare-wmt14en2de.sh (32k joint BPE)
+#         examples/translation/prepare-wmt14en2de.sh (40k joint BPE merges; the paper states no BPE size)
 #   BIN   [data-bin/wmt14_en_de]   fairseq-preprocess --joined-dictionary of TEXT
 #   BERT  [bert-large-uncased]     local directory of bert-large-uncased
 #   SAVE  [checkpoints/bert_jam_wmt14_en_de]

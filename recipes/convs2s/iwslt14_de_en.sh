@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ConvS2S on IWSLT'14 German->English (Gehring et al., 2017; fairseq's fconv_iwslt_de_en recipe), with fconv_glu.
+# ConvS2S (Gehring et al., 2017) on IWSLT'14 German->English with fconv_glu: fairseq's fconv_iwslt_de_en recipe
+# (the paper itself has no IWSLT experiment).
 #
 #   bash recipes/convs2s/iwslt14_de_en.sh [--workdir DIR] [--threads N] [--dry-run] [-- extra fairseq-train flags]
 #
@@ -23,7 +24,8 @@ ORIG="$WORKDIR/orig"; PREP="$WORKDIR/prep"; BIN="$WORKDIR/data-bin"; CKPT="$WORK
 URL="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
 
 download() {
-  sh "mkdir -p '$ORIG' && cd '$ORIG' && { [ -f de-en.tgz ] || wget -q '$URL' -O de-en.tgz.part && mv de-en.tgz.part de-en.tgz; } && tar zxf de-en.tgz"
+  # an archive already there (an interrupted run, or put there by hand for an offline machine) is used as is
+  sh "mkdir -p '$ORIG' && cd '$ORIG' && { [ -f de-en.tgz ] || { wget -q '$URL' -O de-en.tgz.part && mv de-en.tgz.part de-en.tgz; }; } && tar zxf de-en.tgz"
 }
 
 prepare() {

@@ -8,8 +8,11 @@
 #   2. download the WMT'14 training data of the paper (Europarl v7, Common Crawl, News Commentary v9; 4.5M
 #      pairs) and newstest2014 (statmt.org), as fairseq's prepare-wmt14en2de.sh --icml17
 #   3. prepare: normalise punctuation, remove non-printing characters, Moses-tokenise (-a), clean (1..250,
-#      ratio 1.5); valid = every 100th training pair; joint BPE with 40k merges (as the paper)
-#   4. fairseq-preprocess (joined dictionary) into $WORKDIR/data-bin
+#      ratio 1.5); valid = every 100th training pair (not newstest2013); joint BPE with 40k merges (as the
+#      paper)
+#   4. fairseq-preprocess into $WORKDIR/data-bin with separate source and target dictionaries, every BPE type
+#      kept (--thresholdsrc 0 --thresholdtgt 0), as fairseq's ConvS2S WMT'14 En-De recipe (fconv shares no
+#      embeddings)
 #   5. fairseq-train --arch fconv_glu_wmt_en_de (15 layers: 9x512, 4x1024, 2x2048 1x1): NAG, lr 0.5, clip-norm
 #      0.1, dropout 0.2, label smoothing 0.1, max-tokens 4000, fixed lr annealed from epoch 50 (fairseq's
 #      recipe of the paper's model; the paper trained on 8 GPUs: add --update-freq 8 on one)
@@ -50,7 +53,7 @@ prepare() {
 }
 
 binarize() {
-  sh "fairseq-preprocess --source-lang en --target-lang de --trainpref '$PREP/train' --validpref '$PREP/valid' --testpref '$PREP/test' --destdir '$BIN' --joined-dictionary --workers $THREADS"
+  sh "fairseq-preprocess --source-lang en --target-lang de --trainpref '$PREP/train' --validpref '$PREP/valid' --testpref '$PREP/test' --destdir '$BIN' --thresholdsrc 0 --thresholdtgt 0 --workers $THREADS"
 }
 
 train() {

@@ -5,16 +5,20 @@
 #        [--plain] [--workdir DIR] [--gpus G] [--dry-run]
 #
 #   --data-dir  Moses-tokenized text (as fairseq's prepare-wmt14en2de.sh without its BPE step; ~4.5M pairs):
-#               train.en train.de valid.en valid.de (newstest2013) test.en test.de (newstest2014)
+#               train.en train.de valid.en valid.de test.en test.de (newstest2014). The paper validates on
+#               newstest2013; fairseq's prepare-wmt14en2de.sh gives every 100th training pair as valid instead
+#               (either works for checkpoint selection; put newstest2013 there to follow the paper)
 #   --size      base (512/2048, Adam 0.9/0.98, 8k warm-up, 100k updates, average the last 5 epoch checkpoints)
 #               or big (1024/4096, Adam 0.9/0.998, 16k warm-up, 300k updates, average the last 20)
 #   --depth     encoder depth: base 6 (6x1), 36 (6x6), 48 (6x8); big 6 (6x1), 18 (6x3)
 #   --plain     the plain pre-norm baseline (no block-scale / contextual collaboration)
-#   --gpus      GPUs of the job (default 8, as the paper); with --update-freq 8 the batch is 65k tokens
-#               per update (8 GPUs x 8 accumulations x 1024 tokens; fewer GPUs get more tokens each)
+#   --gpus      GPUs of the job (default 8, as the paper; fairseq-train --distributed-world-size): the batch
+#               is 65k tokens per update, 4096 tokens per GPU and --update-freq 16/G (8 GPUs: 2 accumulations;
+#               the paper's 8 x 8 x 1024 is the same batch in 4x more micro-batches)
 #   --dry-run   print every command, run nothing
 #
-# Joint 32k BPE (sentencepiece BPE here), shared embeddings, label smoothing 0.1, inverse-sqrt schedule with
+# Joint BPE: sentencepiece BPE with a 32k vocabulary here (the paper: 32k merge operations of subword-nmt,
+# about 37k tokens), shared embeddings, label smoothing 0.1, inverse-sqrt schedule with
 # the peak of Vaswani et al.'s schedule (d^-0.5 * warmup^-0.5); beam 4, length penalty 0.6; tokenized
 # case-sensitive BLEU with compound splitting (the usual ##AT##-##AT## convention), as multi-bleu.perl.
 set -euo pipefail
@@ -49,7 +53,7 @@ if [ "$DRY" -eq 0 ]; then
     [ -f "$DATA_DIR/$f.$l" ] || { echo "wmt14_en_de.sh: missing $DATA_DIR/$f.$l (see --help)" >&2; exit 2; }
   done; done
 fi
-MAX_TOKENS=$(( 65536 / (GPUS * 8) ))
+MAX_TOKENS=4096; UPDATE_FREQ=$(( 16 / GPUS > 0 ? 16 / GPUS : 1 ))  # 65536 tokens per update
 SUFFIX=""; MODEL_ARGS=()
 if [ "$PLAIN" -eq 1 ]; then SUFFIX=-plain; MODEL_ARGS+=(--no-contextual-collaboration --no-block-scale-collaboration); fi
 NAME="msc-$SIZE-$DEPTH$SUFFIX"
@@ -74,7 +78,7 @@ run fairseq-train "$BIN" --user-dir "$ROOT/fairseq_ext" --task translation --sou
   --arch "$ARCH" "${MODEL_ARGS[@]}" --share-all-embeddings \
   --optimizer adam --adam-betas "$BETAS" --clip-norm 0.0 --lr "$LR" --lr-scheduler inverse_sqrt \
   --warmup-updates "$WARMUP" --warmup-init-lr 1e-07 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 \
-  --max-tokens "$MAX_TOKENS" --update-freq 8 --max-update "$MAX_UPDATE" --fp16 \
+  --max-tokens "$MAX_TOKENS" --update-freq "$UPDATE_FREQ" --distributed-world-size "$GPUS" --max-update "$MAX_UPDATE" --fp16 \
   --save-dir "$CKPT" --keep-last-epochs "$AVG" --log-format json --log-interval 100 --seed 1
 # 4. average the last 5 (base) / 20 (big) epoch checkpoints
 run python -m fairseq_ext.average_checkpoints --inputs "$CKPT" --num-epoch-checkpoints "$AVG" --output "$CKPT/checkpoint_avg.pt"

@@ -33,6 +33,7 @@ COMMON=(--share-decoder-input-output-embed --optimizer adam --adam-betas '(0.9, 
 TEACHER_ARCH=transformer_iwslt_de_en; TEACHER_ARGS=("${COMMON[@]}")
 SAT_ARCH=sat_transformer_iwslt_de_en; SAT_ARGS=("${COMMON[@]}")
 GEN_BEAM_ARGS=(--lenpen 1.0 --remove-bpe)
+KD_ARGS=(); TEST_ARGS=()  # default max positions 1024: nothing to skip
 BPE_FLAG=""
 NUM_AVG=5; KD_BEAM=4
 source "$ROOT/recipes/sat/pipeline.sh"

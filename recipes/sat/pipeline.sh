@@ -1,13 +1,14 @@
 # Shared SAT pipeline (sourced by wmt14_en_de.sh and iwslt14_de_en.sh; not run directly).
 # Inputs (set by the caller): SRC TGT BIN TEXT WORKDIR TEACHER_ARCH SAT_ARCH KS TEACHER_ARGS SAT_ARGS
-#   GEN_BEAM_ARGS DRY_RUN NUM_AVG KD_BEAM BPE_FLAG
+#   GEN_BEAM_ARGS DRY_RUN NUM_AVG KD_BEAM BPE_FLAG KD_ARGS (distillation decode) TEST_ARGS (test decodes)
 # Steps (the paper's Sec. 4.1 and the authors' sa-nmt README):
 #   1. train the autoregressive teacher, average its last NUM_AVG checkpoints;
 #   2. sequence-level KD: the teacher translates the training set (beam KD_BEAM); binarise the result
 #      with the teacher's dictionaries;
 #   3. for each K in KS: train the SAT on the distilled data, initialised from the teacher
 #      (--sat-init-from: encoder, embeddings, softmax), average;
-#   4. evaluate every model on the test set with beam 4 and greedy (BLEU), and latency at batch size 1.
+#   4. evaluate every model on the test set with beam 4 and greedy (BLEU), and latency at batch size 1;
+#      the summary table (model, beam, BLEU, sentences/s) goes to $WORKDIR/results/summary.tsv.
 
 run() {
   # print the command (shell-quoted); execute it unless --dry-run
@@ -44,7 +45,7 @@ run python -m fairseq_ext.average_checkpoints --inputs "$TEACHER_DIR" --num-upda
 echo "== 2/4 sequence-level knowledge distillation (teacher beam $KD_BEAM on the training set) =="
 run_to "$KD_TEXT/generate-train.txt" fairseq-generate "$BIN" --user-dir "$USER_DIR" --task translation \
   --source-lang "$SRC" --target-lang "$TGT" --path "$TEACHER_DIR/checkpoint_avg.pt" --gen-subset train \
-  --beam "$KD_BEAM" --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 16000
+  --beam "$KD_BEAM" --lenpen 0.6 --max-len-a 1.2 --max-len-b 10 --max-tokens 16000 ${KD_ARGS[@]+"${KD_ARGS[@]}"}
 run python -m fairseq_ext.sat.distill --generate-output "$KD_TEXT/generate-train.txt" \
   --source "$TEXT/train.$SRC" --out-prefix "$KD_TEXT/train" --source-lang "$SRC" --target-lang "$TGT"
 run fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" --trainpref "$KD_TEXT/train" \
@@ -68,10 +69,17 @@ for entry in "${MODELS[@]}"; do
   for beam in 4 1; do
     run_to "$RESULTS/$name.beam$beam.txt" fairseq-generate "$KD_BIN" --user-dir "$USER_DIR" --task translation_sat \
       --source-lang "$SRC" --target-lang "$TGT" --path "$ckpt" --gen-subset test --beam "$beam" "${GEN_BEAM_ARGS[@]}" \
-      --max-tokens 8000 $BPE_FLAG
+      --max-tokens 8000 ${TEST_ARGS[@]+"${TEST_ARGS[@]}"} $BPE_FLAG
     run_to "$RESULTS/$name.beam$beam.latency.txt" fairseq-generate "$KD_BIN" --user-dir "$USER_DIR" \
       --task translation_sat --source-lang "$SRC" --target-lang "$TGT" --path "$ckpt" --gen-subset test \
-      --beam "$beam" "${GEN_BEAM_ARGS[@]}" --batch-size 1 --quiet $BPE_FLAG
+      --beam "$beam" "${GEN_BEAM_ARGS[@]}" --batch-size 1 --quiet ${TEST_ARGS[@]+"${TEST_ARGS[@]}"} $BPE_FLAG
+  done
+done
+echo "== summary: BLEU (fairseq-generate's BLEU4 line) and sentences/s at batch 1 -> $RESULTS/summary.tsv =="
+for entry in "${MODELS[@]}"; do
+  for beam in 4 1; do
+    printf 'score: grep -oP %q %q | tail -1\n' 'BLEU4? = \K[0-9.]+' "$RESULTS/${entry%%:*}.beam$beam.txt"
+    printf 'score: grep -oP %q %q | tail -1\n' '[0-9.]+(?= sentences/s)' "$RESULTS/${entry%%:*}.beam$beam.latency.txt"
   done
 done
 if [ "$DRY_RUN" != 1 ]; then
