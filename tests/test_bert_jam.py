@@ -63,21 +63,40 @@ def test_glu_init_gives_exactly_the_last_bert_layer_in_phase_1_and_half_of_it_af
 
 def test_model_phase_1_feeds_every_layer_the_last_bert_layer(tiny_bert):
     model, d = build(tiny_bert, phase=1)
-    src, lengths, _ = batch(d)
-    enc = model.encoder(src, lengths)
-    bert_layers = enc["bert_out"][0]
-    assert bert_layers.shape[-1] == BERT_LAYERS  # all L layers, the embedding output excluded
-    hidden = model.encoder.bert(input_ids=model.encoder.bert_input_builder().batch_from_source(src),
-                                attention_mask=(~enc["bert_padding_mask"][0]).long(),
+    model.eval()
+    src, lengths, prev = batch(d)
+    bert_input = model.encoder.bert_input_builder().batch_from_source(src)
+    hidden = model.encoder.bert(input_ids=bert_input, attention_mask=bert_input.ne(0).long(),
                                 output_hidden_states=True).hidden_states
     assert len(hidden) == BERT_LAYERS + 1
-    for i in range(BERT_LAYERS):
-        assert torch.equal(bert_layers[..., i], hidden[i + 1].transpose(0, 1))
-    for layer in list(model.encoder.layers) + list(model.decoder.layers):
-        assert layer.bert_composition.scale == 2.0
-        assert torch.equal(layer.bert_composition(bert_layers), bert_layers[..., -1])
+    with torch.no_grad():
+        # the fast path: every composition is frozen at Eq. 11 with the x2, so it selects B_L exactly; BERT's
+        # other layers are neither stacked nor composed
+        assert model.encoder.bert_last_only
+        enc = model.encoder(src, lengths)
+        assert enc["bert_out"][0].dim() == 3
+        assert torch.equal(enc["bert_out"][0], hidden[-1].transpose(0, 1))
+        fast = model(src, lengths, prev)[0]
+        # the full path (all L layers, composed by each layer) gives the same model output, bit for bit
+        model.encoder.bert_last_only = False
+        enc = model.encoder(src, lengths)
+        bert_layers = enc["bert_out"][0]
+        assert bert_layers.shape[-1] == BERT_LAYERS  # all L layers, the embedding output excluded
+        for i in range(BERT_LAYERS):
+            assert torch.equal(bert_layers[..., i], hidden[i + 1].transpose(0, 1))
+        for layer in list(model.encoder.layers) + list(model.decoder.layers):
+            assert layer.bert_composition.scale == 2.0
+            assert torch.equal(layer.bert_composition(bert_layers), bert_layers[..., -1])
+        assert torch.equal(model(src, lengths, prev)[0], fast)
     model2, _ = build(tiny_bert, phase=2)
     assert all(layer.bert_composition.scale == 1.0 for layer in model2.encoder.layers)
+    assert not model2.encoder.bert_last_only  # trainable compositions: all layers
+    # phase 1 with compositions that left Eq. 11 (loaded from phase 2): the full path again
+    with torch.no_grad():
+        model2.encoder.layers[0].bert_composition.beta[0] = 0.25
+    model.load_state_dict(model2.state_dict())
+    assert not model.encoder.bert_last_only
+    assert build(tiny_bert, phase=2, composition="last")[0].encoder.bert_last_only  # M2
 
 
 # ------------------------------------------------------------------------------------------------ joint attention
@@ -142,7 +161,12 @@ def test_freezing_per_phase_parameter_by_parameter_and_bert_without_autograd(tin
     m1, _ = build(tiny_bert, phase=1)
     m3, _ = build(tiny_bert, phase=3)
     m3.load_state_dict(m1.state_dict(), strict=True)
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m3.state_dict().values()))
+    s1, s3 = m1.state_dict(), m3.state_dict()
+    assert all(torch.equal(v, s3[k]) for k, v in s1.items())
+    # phases 1-2 leave the frozen BERT out (it is the pre-trained one, refilled from its directory); phase 3 keeps it
+    assert not any(k.startswith("encoder.bert.") for k in s1)
+    assert sum(k.startswith("encoder.bert.") for k in s3) == len(m1.encoder.bert.state_dict()) > 20
+    assert all(torch.equal(v, s3["encoder.bert." + k]) for k, v in m1.encoder.bert.state_dict().items())
 
 
 def test_bad_input_errors_name_the_flag(tiny_bert, tmp_path):
@@ -290,8 +314,8 @@ def test_recipe_dry_run_parses_with_fairseq(recipe, arch, bert, gen):
 
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", "bert_jam", f"{recipe}.sh"), "--dry-run"],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout
-    lines = [shlex.split(x) for x in out.splitlines() if x.strip()]
-    assert [x[0] if x[0] != "python" else x[2] for x in lines] == [
+    lines = [shlex.split(x.split(" > ")[0]) for x in out.splitlines() if x.strip()]
+    assert [x[0] if x[0] != "python" else x[2] for x in lines[:6]] == [
         "fairseq_ext.bert_jam.prepare", "fairseq-train", "fairseq-train", "fairseq-train",
         "fairseq_ext.average_checkpoints", "fairseq-generate"]
     phases = []
@@ -303,10 +327,212 @@ def test_recipe_dry_run_parses_with_fairseq(recipe, arch, bert, gen):
         assert a.adam_betas == "(0.9,0.98)" and a.share_all_embeddings and a.ddp_backend == "legacy_ddp"
         phases.append((a.bert_jam_phase, a.max_epoch, a.restore_file, a.reset_optimizer, a.patience))
     save = lines[1][lines[1].index("--save-dir") + 1].rsplit("/", 1)[0]
-    assert phases == [(1, 40, "checkpoint_last.pt", False, -1),
-                      (2, 50, f"{save}/phase1/checkpoint_last.pt", True, -1),
-                      (3, 60, f"{save}/phase2/checkpoint_last.pt", True, 5)]
+    assert [p[:4] for p in phases] == [(1, 40, "checkpoint_last.pt", False),
+                                       (2, 50, f"{save}/phase1/checkpoint_last.pt", True),
+                                       (3, 60, f"{save}/phase2/checkpoint_last.pt", True)]
     assert lines[4][lines[4].index("--num-epoch-checkpoints") + 1] == "10"
     g = options.parse_args_and_arch(options.get_generation_parser(), lines[5][1:])
     assert (g.beam, g.lenpen, g.path, g.task) == (gen["beam"], gen["lenpen"], f"{save}/phase3/checkpoint_avg10.pt",
                                                   "translation_bert")
+
+
+# ------------------------------------------------------------------------------------------------ speed paths
+
+def _count_calls(module, log, name):
+    return module.register_forward_hook(lambda m, inp, out: log.append((name, inp[0].shape if inp else None)))
+
+
+def test_dropnet_computes_only_the_branch_it_keeps(tiny_bert):
+    model, d = build(tiny_bert, phase=2, bert_dropnet=0.5)
+    model.train()  # dropout 0: the only randomness is drop-net's draw
+    src, lengths, prev = batch(d)
+    calls = []
+    for layer in model.decoder.layers:
+        _count_calls(layer.encoder_attn, calls, "enc")
+        _count_calls(layer.bert_attn, calls, "bert")
+    for seed in range(6):
+        calls.clear()
+        torch.manual_seed(seed)
+        fast = model(src, lengths, prev)[0]
+        n_fast = len(calls)
+        assert n_fast == len(model.decoder.layers)  # one joint attention per decoder layer, not two
+        for layer in model.decoder.layers:
+            layer.skip_dropped_branch = False
+        calls.clear()
+        torch.manual_seed(seed)
+        ref = model(src, lengths, prev)[0]  # both branches computed, one weighted by 0
+        assert len(calls) == 2 * len(model.decoder.layers)
+        assert torch.equal(fast, ref)
+        for layer in model.decoder.layers:
+            layer.skip_dropped_branch = True
+
+
+def test_beam_search_projects_bert_keys_once_per_sentence(tiny_bert):
+    from fairseq.sequence_generator import SequenceGenerator
+
+    model, d = build(tiny_bert, phase=2)
+    model.eval()
+    with torch.no_grad():  # non-trivial GLUs
+        for comp in model.compositions():
+            for p in comp.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+    src, lengths, _ = batch(d)
+    sample = {"net_input": {"src_tokens": src, "src_lengths": lengths}}
+    rows = []
+    for layer in model.decoder.layers:
+        _count_calls(layer.bert_attn.k_sec_proj, rows, "k")
+    results = {}
+    for per_sentence in (True, False):
+        for layer in model.decoder.layers:
+            layer.bert_attn.project_per_sentence = per_sentence
+        rows.clear()
+        with torch.no_grad():
+            hyps = SequenceGenerator([model], d, beam_size=3, max_len_b=6).generate([model], sample)
+        results[per_sentence] = [[(h["tokens"].tolist(), float(h["score"])) for h in beam] for beam in hyps]
+        # K^S of the BERT branch is projected at the first step only, on 2 sentences, not 2 x 3 beams
+        assert [r[1][1] for r in rows] == [2 if per_sentence else 6] * len(model.decoder.layers)
+    assert [[t for t, _ in b] for b in results[True]] == [[t for t, _ in b] for b in results[False]]
+    for a, b in zip(results[True], results[False]):
+        assert all(abs(x[1] - y[1]) < 1e-5 for x, y in zip(a, b))
+
+
+def test_checkpoint_activations_wraps_the_layers_and_keeps_the_gradients(tiny_bert):
+    grads = {}
+    for ckpt in (False, True):
+        model, d = build(tiny_bert, phase=3, checkpoint_activations=ckpt)
+        wrapped = [hasattr(layer, "precheckpoint_forward") for layer in
+                   list(model.encoder.layers) + list(model.decoder.layers)]
+        assert wrapped == [ckpt] * 4  # fairseq's checkpoint_wrapper, as TransformerEncoderBase/DecoderBase
+        model.train()
+        src, lengths, prev = batch(d)
+        model(src, lengths, prev)[0].float().pow(2).mean().backward()
+        grads[ckpt] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and len(grads[True]) > 50
+    for n in grads[True]:
+        assert_close(grads[True][n], grads[False][n], atol=1e-6, msg=n)
+
+
+def test_frozen_bert_is_not_saved_and_a_directory_with_other_weights_is_refused(tiny_bert, tmp_path):
+    import shutil
+
+    from transformers import BertModel
+
+    m1, d = build(tiny_bert, phase=1)
+    state = m1.state_dict()
+    assert not any(k.startswith("encoder.bert.") for k in state)
+    assert m1.encoder.bert_digest() != "00" * 32
+    # the same directory: BERT refilled from it, strictly
+    m2, _ = build(tiny_bert, phase=2)
+    m2.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(m2.encoder.bert.state_dict().values(),
+                                                 m1.encoder.bert.state_dict().values()))
+    # a copy of the directory whose weights differ in one number: refused with one line naming the flag
+    other = str(tmp_path / "other_bert")
+    shutil.copytree(tiny_bert, other)
+    bert = BertModel.from_pretrained(other)
+    with torch.no_grad():
+        bert.encoder.layer[0].output.dense.bias[0] += 1e-3
+    bert.save_pretrained(other)
+    m3, _ = build(other, phase=2)
+    with pytest.raises(FairseqExtError, match=r"^--bert-model-name .*other_bert: its weights \(sha256 [0-9a-f]+\) "
+                                              r"are not the pre-trained BERT this checkpoint was trained with"):
+        m3.load_state_dict(state)
+    # phase 3 fine-tunes BERT: it is saved, and loads whatever the directory holds
+    m3.set_phase(3)
+    full = m3.state_dict()
+    assert any(k.startswith("encoder.bert.") for k in full)
+    m1.set_phase(3)
+    m1.load_state_dict(full)
+    assert torch.equal(m1.encoder.bert.encoder.layer[0].output.dense.bias, bert.encoder.layer[0].output.dense.bias)
+
+
+# ------------------------------------------------------------------------------------------------ data on disk
+
+@pytest.fixture(scope="module")
+def prepared(tiny_bert, tmp_path_factory):
+    """Dummy letters data with a second validation set (valid1), binarised and BERT-prepared in-process."""
+    from fairseq import options
+    from fairseq_cli import preprocess
+
+    from fairseq_ext.bert_jam import prepare
+    from tests.helpers import create_dummy_data
+
+    d = str(tmp_path_factory.mktemp("bert_data"))
+    create_dummy_data(d, num_examples=20, maxlen=8)
+    create_dummy_data(d, num_examples=7, maxlen=8, seed=1, splits=("valid1",))
+    preprocess.main(options.get_preprocessing_parser().parse_args([
+        "--source-lang", "in", "--target-lang", "out", "--trainpref", f"{d}/train",
+        "--validpref", f"{d}/valid,{d}/valid1", "--testpref", f"{d}/test", "--destdir", d, "--workers", "1"]))
+    prepare.main([d, "-s", "in", "-t", "out", "--bert-model-name", tiny_bert, "--trainpref", f"{d}/train",
+                  "--validpref", f"{d}/valid,{d}/valid1", "--testpref", f"{d}/test"])
+    return d
+
+
+def _task(data, tiny_bert):
+    return TranslationBertTask.setup_task(TranslationBertConfig(data=data, bert_model_name=tiny_bert,
+                                                                source_lang="in", target_lang="out", dataset_impl="mmap",
+                                                                required_seq_len_multiple=1))
+
+
+def test_a_second_validation_set_is_a_subset_of_its_own(prepared, tiny_bert):
+    task = _task(prepared, tiny_bert)
+    for split, n in (("valid", 20), ("valid1", 7)):
+        task.load_dataset(split, combine=False)  # what fairseq-train does for --valid-subset valid,valid1
+        ds = task.datasets[split]
+        assert len(ds) == len(ds.bert) == n
+        b = ds.collater([ds[i] for i in range(n)])
+        assert b["net_input"]["bert_input"].size(0) == n
+
+
+def test_bert_input_prepared_with_other_settings_is_refused(prepared, tiny_bert, tmp_path):
+    import json
+    import shutil
+
+    task = _task(prepared, tiny_bert)
+    args = argparse.Namespace(arch="bert_jam", encoder_embed_dim=32, encoder_ffn_embed_dim=48,
+                              encoder_attention_heads=4, encoder_layers=1, decoder_layers=1, decoder_embed_dim=32,
+                              decoder_ffn_embed_dim=48, decoder_attention_heads=4, bert_jam_phase=1)
+    model = task.build_model(argparse.Namespace(**vars(args)))  # same settings: fine, and they are recorded
+    meta = json.load(open(os.path.join(prepared, "bert_input.in.json")))
+    assert model.args.bert_input_meta == {k: meta[k] for k in model.args.bert_input_meta}
+    assert model.args.bert_input_meta["detokenize"] == "moses"
+    other = str(tmp_path / "data")
+    shutil.copytree(prepared, other)
+    meta["detokenize"] = "none"  # prepared with --bert-detokenize none
+    json.dump(meta, open(os.path.join(other, "bert_input.in.json"), "w"))
+    with pytest.raises(FairseqExtError, match=r"^--bert-detokenize: .*bert_input\.in\.json has detokenize=none but "
+                                              r"the BERT input that the model's flags derive\(s\) has detokenize=moses"):
+        _task(other, tiny_bert).build_model(argparse.Namespace(**vars(args)))
+    # the settings saved in a checkpoint are the model's: generation from it refuses the same data
+    saved = argparse.Namespace(**vars(model.args))
+    task2 = _task(other, tiny_bert)
+    task2.building_from_checkpoint = True
+    with pytest.raises(FairseqExtError, match="--bert-detokenize: .*the checkpoint"):
+        task2.build_model(saved, from_checkpoint=True)
+    saved.bert_detokenize = "none"  # a checkpoint trained with --bert-detokenize none fits that data
+    saved.bert_input_meta = dict(saved.bert_input_meta, detokenize="none")
+    _task(other, tiny_bert).build_model(saved, from_checkpoint=True)
+
+
+@pytest.mark.xfail(strict=True, reason="recipes/bert_jam/common.sh (another engineer's file) still gives phase 3 "
+                   "--patience; remove this marker once it does not")
+@pytest.mark.parametrize("recipe", ["iwslt14_de_en", "wmt14_en_de"])
+def test_recipe_phase_3_writes_every_epoch_checkpoint_it_averages(recipe):
+    """Review #3: phase 3 has its own save directory; early stopping there leaves fewer epoch checkpoints than
+    --num-epoch-checkpoints averages (average_checkpoints then refuses)."""
+    import shlex
+    import subprocess
+
+    from fairseq import options
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run(["bash", os.path.join(ROOT, "recipes", "bert_jam", f"{recipe}.sh"), "--dry-run"],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    lines = [shlex.split(x) for x in out.splitlines() if x.strip()]
+    p2, p3 = (options.parse_args_and_arch(options.get_training_parser(), argv[1:]) for argv in lines[2:4])
+    avg = lines[4]
+    n = int(avg[avg.index("--num-epoch-checkpoints") + 1])
+    assert avg[avg.index("--inputs") + 1] == p3.save_dir
+    assert p3.max_epoch - p2.max_epoch >= n  # phase 3 writes at least the n epochs averaged ...
+    assert p3.patience <= 0  # ... and nothing stops it before

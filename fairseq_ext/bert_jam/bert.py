@@ -275,3 +275,38 @@ def check_prepared_input_fits(meta, config, data):
             f"the BERT input in {data} was prepared with a tokenizer of {meta['vocab_size']} ids "
             f"({meta['bert_model_name']}) but the model's BERT has {config.vocab_size}; rerun "
             "python -m fairseq_ext.bert_jam.prepare with the same --bert-model-name")
+
+
+def bert_content_sha256(bert) -> str:
+    """SHA-256 of BERT's weights (names, dtypes, shapes and bytes of its state dict, sorted by name): what a phase
+    1-2 checkpoint records instead of the weights, independent of the file format they were loaded from."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in sorted(bert.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# the settings of the BERT input that the prepared files and the model's own builder must share, each with the
+# flag that sets it
+INPUT_SETTINGS = {"remove_bpe": "--bert-remove-bpe", "detokenize": "--bert-detokenize",
+                  "max_length": "--bert-max-length", "vocab_size": "--bert-model-name",
+                  "pad_id": "--bert-model-name", "tokenizer_class": "--bert-model-name"}
+
+
+def input_settings(meta):
+    """The part of a :meth:`BertInputBuilder.meta` that decides the BERT ids (not the model's path)."""
+    return {k: meta[k] for k in INPUT_SETTINGS if k in meta}
+
+
+def check_input_settings(ours, theirs, ours_name, theirs_name):
+    """One error line naming the flag of the first setting in which two BERT-input settings differ."""
+    for k, flag in INPUT_SETTINGS.items():
+        if k in ours and k in theirs and str(ours[k]) != str(theirs[k]):
+            raise FairseqExtError(
+                f"{flag}: {ours_name} has {k}={ours[k]} but {theirs_name} has {k}={theirs[k]}, so BERT would see "
+                f"other input than in training; use the same {flag} for both (or rerun python -m "
+                "fairseq_ext.bert_jam.prepare with it)")

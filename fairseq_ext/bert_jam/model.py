@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from fairseq import utils
+from fairseq.distributed import fsdp_wrap
 from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import (
@@ -39,9 +40,17 @@ from fairseq.models.transformer import (
     base_architecture as transformer_base_architecture,
 )
 from fairseq.modules import FairseqDropout, LayerNorm
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from torch import Tensor
 
-from fairseq_ext.bert_jam.bert import BertInputBuilder, build_bert, check_tokenizer_fits
+from fairseq_ext.bert_jam.bert import (
+    BertInputBuilder,
+    bert_content_sha256,
+    build_bert,
+    check_input_settings,
+    check_tokenizer_fits,
+    input_settings,
+)
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.decoder_features import decoder_output, embed_decoder_input, newest_positions
 
@@ -84,8 +93,26 @@ class BertLayerComposition(nn.Module):
         if mode == "glu":
             self.beta = nn.Parameter(torch.zeros(num_bert_layers))  # Eq. 11
 
+    def selects_last_layer(self) -> bool:
+        """True when the output is exactly B_L and cannot change while training: M2, or the composition frozen
+        at its Eq. 11 initialisation (phase 1: g = 1/2 and the x2 cancel exactly)."""
+        if self.mode == "last":
+            return True
+        if any(p.requires_grad for p in self.parameters()):
+            return False
+        at_init = torch.zeros(self.num_bert_layers)
+        at_init[-1] = 1.0
+        if not torch.equal(self.alpha.detach().cpu().float(), at_init):
+            return False
+        if self.mode == "linear":
+            return True
+        return self.scale == 2.0 and not bool(self.beta.detach().ne(0).any())
+
     def forward(self, bert_layers: Tensor) -> Tensor:
-        """bert_layers: (T, B, C, L) -> (T, B, C)."""
+        """bert_layers: (T, B, C, L) -> (T, B, C); a (T, B, C) input is B_L alone, given when every composition
+        of the model selects it (:meth:`selects_last_layer`), and is returned as it is."""
+        if bert_layers.dim() == 3:
+            return bert_layers
         if self.mode == "last":
             return bert_layers[..., -1]
         if self.mode == "linear":
@@ -125,6 +152,7 @@ class JointMultiheadAttention(nn.Module):
         self.k_sec_proj = Linear(secondary_dim, embed_dim, gain=g)  # K^S from S
         self.v_sec_proj = Linear(secondary_dim, embed_dim, gain=g)  # V^S from S
         self.out_proj = Linear(embed_dim, embed_dim)
+        self.project_per_sentence = True  # False: select the beam rows first (for benchmarks and tests)
 
     def _heads(self, x: Tensor) -> Tensor:  # T x B x d -> B x H x T x d_h
         T, B, _ = x.shape
@@ -139,8 +167,10 @@ class JointMultiheadAttention(nn.Module):
     def forward(self, query: Tensor, secondary: Optional[Tensor], secondary_padding_mask: Optional[Tensor],
                 self_padding_mask: Optional[Tensor] = None, causal: bool = False,
                 incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
-                need_weights: bool = False):
-        """query: T x B x d (R); secondary: S x B x d_s (None when cached); masks: B x S / B x T, True = pad.
+                need_weights: bool = False, secondary_order: Optional[Tensor] = None):
+        """query: T x B x d (R); secondary: S x B' x d_s (None when cached); masks: B x S / B x T, True = pad.
+        ``secondary_order`` (B): the rows of ``secondary`` that form the batch (beam search: B = B' x beam); the
+        secondary keys/values are projected on the B' rows and then selected, once per sentence, not per beam.
         Returns (T x B x d, attention weights on the secondary part B x H x T x S or None)."""
         T, B, _ = query.shape
         q = self._heads(self.q_proj(query))
@@ -154,7 +184,11 @@ class JointMultiheadAttention(nn.Module):
             k_s, v_s = state["secondary_key"], state["secondary_value"]
             secondary_padding_mask = state.get("secondary_padding_mask")
         else:
+            if secondary_order is not None and not self.project_per_sentence:  # the old way (benchmark)
+                secondary, secondary_order = secondary.index_select(1, secondary_order), None
             k_s, v_s = self._heads(self.k_sec_proj(secondary)), self._heads(self.v_sec_proj(secondary))
+            if secondary_order is not None:
+                k_s, v_s = k_s.index_select(0, secondary_order), v_s.index_select(0, secondary_order)
         if incremental_state is not None:
             new_state = {"prev_key": k_r, "prev_value": v_r, "secondary_key": k_s, "secondary_value": v_s}
             if secondary_padding_mask is not None:
@@ -261,6 +295,7 @@ class BertJamDecoderLayer(nn.Module, _FFNMixin):
         self.normalize_before = cfg.decoder.normalize_before
         self.dropout_module = FairseqDropout(cfg.dropout, module_name=self.__class__.__name__)
         self.dropnet = float(dropnet)
+        self.skip_dropped_branch = True  # False: compute both branches and weight one by 0 (benchmarks, tests)
         self.bert_composition = BertLayerComposition(bert_layers, composition)  # B^{D,i}, Eq. 8
         heads = cfg.decoder.attention_heads
         self.bert_attn = JointMultiheadAttention(d, bert_dim, heads, cfg.attention_dropout)
@@ -283,16 +318,21 @@ class BertJamDecoderLayer(nn.Module, _FFNMixin):
         residual = x
         if self.normalize_before:
             x = self.joint_attn_layer_norm(x)
-        B = None
-        if not self.bert_attn.has_secondary_cache(incremental_state):
-            B = self.bert_composition(bert_layers)  # B^{D,i}, on the encoder's batch (composition is per token)
-            if bert_order is not None:
-                B = B.index_select(1, bert_order)
-        x_bert, _ = self.bert_attn(x, B, bert_padding_mask, self_padding_mask, causal, incremental_state)
-        x_enc, attn = self.encoder_attn(x, encoder_out, encoder_padding_mask, self_padding_mask, causal,
-                                        incremental_state, need_weights=need_attn)
         w_enc, w_bert = self.branch_weights()
-        x = residual + w_enc * self.dropout_module(x_enc) + w_bert * self.dropout_module(x_bert)
+        skip = self.skip_dropped_branch
+        out, attn = residual, None
+        if w_enc != 0.0 or not skip:  # drop-net: a branch weighted 0 is not computed at all
+            x_enc, attn = self.encoder_attn(x, encoder_out, encoder_padding_mask, self_padding_mask, causal,
+                                            incremental_state, need_weights=need_attn)
+            out = out + w_enc * self.dropout_module(x_enc)
+        if w_bert != 0.0 or not skip:
+            B = None
+            if not self.bert_attn.has_secondary_cache(incremental_state):
+                B = self.bert_composition(bert_layers)  # B^{D,i}, on the encoder's batch (per token)
+            x_bert, _ = self.bert_attn(x, B, bert_padding_mask, self_padding_mask, causal, incremental_state,
+                                       secondary_order=bert_order)
+            out = out + w_bert * self.dropout_module(x_bert)
+        x = out
         if not self.normalize_before:
             x = self.joint_attn_layer_norm(x)
         return self._ffn(x), attn
@@ -302,20 +342,73 @@ class BertJamDecoderLayer(nn.Module, _FFNMixin):
 # BERT, encoder, decoder
 # --------------------------------------------------------------------------------------------------------
 
+def _leave_out_frozen_bert(module, state_dict, prefix, local_metadata):
+    """State-dict post hook of the encoder: a frozen BERT is not saved (phases 1-2: it is the pre-trained one)."""
+    if not module.bert_trainable:
+        for k in [k for k in state_dict if k.startswith(prefix + "bert.")]:
+            del state_dict[k]
+
+
+def _refill_frozen_bert(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs):
+    """Load pre-hook of the encoder: a checkpoint without BERT (phases 1-2) gets this model's BERT, loaded from
+    ``--bert-model-name``, if its weights have the content hash the checkpoint recorded."""
+    key = prefix + "bert_sha256"
+    if not any(k.startswith(prefix + "bert.") for k in state_dict):
+        saved = state_dict.get(key)
+        if saved is None:
+            raise FairseqExtError("the checkpoint holds neither BERT's weights nor the hash of the pre-trained "
+                                  "BERT it was trained with: it is not a bert_jam checkpoint of this version")
+        saved = bytes(saved.long().tolist()).hex()
+        here = module.bert_digest()
+        if saved != here:
+            raise FairseqExtError(
+                f"--bert-model-name {module.args.bert_model_name}: its weights (sha256 {here[:16]}) are not the "
+                f"pre-trained BERT this checkpoint was trained with (sha256 {saved[:16]}); phase 1-2 checkpoints do "
+                "not hold BERT: give the directory of that BERT")
+        for k, v in module.bert.state_dict().items():
+            state_dict[prefix + "bert." + k] = v
+    elif key not in state_dict:  # a checkpoint from before the hash: it holds BERT itself
+        state_dict[key] = module.bert_sha256
+
+
+def wrap_layer(layer, cfg):
+    """What fairseq's TransformerEncoderBase/DecoderBase do to each layer: ``--checkpoint-activations``
+    (``--offload-activations``) and FSDP wrapping."""
+    checkpoint = cfg.checkpoint_activations
+    if checkpoint:
+        layer = checkpoint_wrapper(layer, offload_to_cpu=cfg.offload_activations)
+    return fsdp_wrap(layer, min_num_params=cfg.min_params_to_wrap if not checkpoint else 0)
+
+
 class BertJamEncoder(TransformerEncoderBase):
-    def __init__(self, args, cfg, dictionary, embed_tokens, bert):
-        self.args = args
+    """E^L from the source and BERT. While BERT is frozen (phases 1-2) its weights are left out of the state
+    dict (so of every checkpoint): the checkpoint keeps ``bert_sha256``, the content hash of the pre-trained
+    weights of ``--bert-model-name``, and loading it refills BERT from that directory after checking the hash."""
+
+    def __init__(self, args, cfg, dictionary, embed_tokens, bert, bert_sha256=None):
+        self.args = args  # read by build_encoder_layer, which the base constructor calls
         self._bert_dims = (bert.config.hidden_size, bert.config.num_hidden_layers)
         super().__init__(cfg, dictionary, embed_tokens)
         self.bert = bert
         self.bert_trainable = True
+        self.bert_last_only = False  # set by BertJamModel: every composition selects B_L (phase 1, M2)
         self._bert_input_builder = None
         self.bert_pad_id = bert.config.pad_token_id
         if self.bert_pad_id is None:  # the config does not say: ask the tokenizer
             self.bert_pad_id = self.bert_input_builder().pad_id
+        digest = torch.zeros(32, dtype=torch.long)  # int64: checkpoint averaging keeps it exact
+        if bert_sha256:
+            digest = torch.tensor(list(bytes.fromhex(bert_sha256)), dtype=torch.long)
+        self.register_buffer("bert_sha256", digest)
+        self.register_state_dict_post_hook(_leave_out_frozen_bert)
+        self.register_load_state_dict_pre_hook(_refill_frozen_bert)
 
     def build_encoder_layer(self, cfg):
-        return BertJamEncoderLayer(cfg, *self._bert_dims, self.args.bert_composition)
+        return wrap_layer(BertJamEncoderLayer(cfg, *self._bert_dims, self.args.bert_composition), cfg)
+
+    def bert_digest(self) -> str:
+        return bytes(self.bert_sha256.tolist()).hex()
 
     # -- BERT input: from the batch, or derived from the source tokens (fairseq-interactive, unprepared data)
     def bert_input_builder(self):
@@ -328,11 +421,14 @@ class BertJamEncoder(TransformerEncoderBase):
         return self._bert_input_builder
 
     def forward_bert(self, bert_input: Tensor):
-        """Step 1: BERT(X) = (B_1, ..., B_L) as one (T_bert, B, C_bert, L) tensor, plus its padding mask."""
+        """Step 1: BERT(X) = (B_1, ..., B_L) as one (T_bert, B, C_bert, L) tensor, plus its padding mask; only
+        B_L, as (T_bert, B, C_bert), when every composition selects it (``bert_last_only``)."""
         bert_padding_mask = bert_input.eq(self.bert_pad_id)
         with torch.set_grad_enabled(self.bert_trainable and torch.is_grad_enabled()):
             out = self.bert(input_ids=bert_input, attention_mask=(~bert_padding_mask).long(),
-                            output_hidden_states=True, return_dict=True)
+                            output_hidden_states=not self.bert_last_only, return_dict=True)
+            if self.bert_last_only:
+                return out.last_hidden_state.transpose(0, 1), bert_padding_mask
             layers = torch.stack(out.hidden_states[1:], dim=-1)  # B x T x C x L (embedding output excluded)
         return layers.transpose(0, 1).contiguous(), bert_padding_mask
 
@@ -387,7 +483,8 @@ class BertJamDecoder(TransformerDecoderBase):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=False)
 
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
-        return BertJamDecoderLayer(cfg, *self._bert_dims, self.args.bert_composition, self.args.bert_dropnet)
+        return wrap_layer(BertJamDecoderLayer(cfg, *self._bert_dims, self.args.bert_composition,
+                                              self.args.bert_dropnet), cfg)
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
                                     full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
@@ -458,7 +555,11 @@ class BertJamModel(TransformerModel):
         args.bert_model_name = name
         if args.encoder_layers_to_keep or args.decoder_layers_to_keep:
             raise FairseqExtError("--encoder/decoder-layers-to-keep is not supported by bert_jam")
-        bert = build_bert(name, from_checkpoint=getattr(task, "building_from_checkpoint", False))
+        # from a checkpoint of phase 3 only the architecture is built: the checkpoint holds the fine-tuned BERT;
+        # phase 1-2 checkpoints do not hold BERT, which is loaded from the directory (and its hash checked)
+        from_checkpoint = getattr(task, "building_from_checkpoint", False)
+        bert = build_bert(name, from_checkpoint=from_checkpoint and args.bert_jam_phase == 3)
+        digest = None if from_checkpoint and args.bert_jam_phase == 3 else bert_content_sha256(bert)
 
         cfg = TransformerConfig.from_namespace(args)
         src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
@@ -475,8 +576,17 @@ class BertJamModel(TransformerModel):
         else:
             encoder_embed = cls.build_embedding(args, src_dict, args.encoder_embed_dim, args.encoder_embed_path)
             decoder_embed = cls.build_embedding(args, tgt_dict, args.decoder_embed_dim, args.decoder_embed_path)
-        encoder = BertJamEncoder(args, cfg, src_dict, encoder_embed, bert)
-        check_tokenizer_fits(name, encoder.bert_input_builder().tokenizer, bert.config)
+        encoder = BertJamEncoder(args, cfg, src_dict, encoder_embed, bert, digest)
+        builder = encoder.bert_input_builder()
+        check_tokenizer_fits(name, builder.tokenizer, bert.config)
+        # the BERT input settings travel in the checkpoint (args): at generation the model derives its input
+        # with the training's settings, and they are checked against what the tokenizer gives now
+        meta = input_settings(builder.meta())
+        saved = getattr(args, "bert_input_meta", None)
+        if from_checkpoint and saved:
+            check_input_settings(saved, meta, f"the BERT input settings saved in the checkpoint",
+                                 f"what --bert-model-name {name} gives now")
+        args.bert_input_meta = meta
         decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)
         return cls(args, encoder, decoder)
 
@@ -496,6 +606,17 @@ class BertJamModel(TransformerModel):
             for p in comp.parameters():
                 p.requires_grad_(phase >= 2)
             comp.scale = 2.0 if (phase == 1 and comp.mode == "glu") else 1.0
+        self.refresh_bert_last_only()
+
+    def refresh_bert_last_only(self):
+        """Compute only what the compositions select: when every one of them gives exactly B_L (phase 1 at
+        Eq. 11, M2), BERT's other layers are neither stacked nor composed."""
+        self.encoder.bert_last_only = all(c.selects_last_layer() for c in self.compositions())
+
+    def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
+        out = super().load_state_dict(state_dict, strict=strict, model_cfg=model_cfg, args=args)
+        self.refresh_bert_last_only()
+        return out
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, bert_input: Optional[Tensor] = None,
                 return_all_hiddens: bool = True, features_only: bool = False,

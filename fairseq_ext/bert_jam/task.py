@@ -14,6 +14,7 @@ task
 ``transformers`` is imported lazily (inside functions), never at package import time.
 """
 
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from fairseq_ext.bert_jam.bert import check_prepared_input_fits, collate_bert
+from fairseq_ext.bert_jam.bert import check_input_settings, check_prepared_input_fits, collate_bert, input_settings
 from fairseq_ext.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class TranslationBertTask(TranslationTask):
         src, tgt = self.cfg.source_lang, self.cfg.target_lang
         berts = []
         for k in range(10_000):
+            if k > 0 and not combine:  # as fairseq: valid1, test1 are subsets of their own, not shards
+                break
             split_k = split + (str(k) if k > 0 else "")
             prefix = bert_input_prefix(data_path, split_k, src, tgt)
             if not indexed_dataset.dataset_exists(prefix, impl="mmap"):
@@ -143,7 +146,58 @@ class TranslationBertTask(TranslationTask):
             model = super().build_model(cfg, from_checkpoint)
         finally:
             self.building_from_checkpoint = False
-        meta = getattr(self, "_prepared_meta", None) or self._bert_meta(utils.split_paths(self.cfg.data)[0])
+        data_path = utils.split_paths(self.cfg.data)[0]
+        meta = getattr(self, "_prepared_meta", None) or self._bert_meta(data_path)
         config = getattr(getattr(getattr(model, "encoder", None), "bert", None), "config", None)
         check_prepared_input_fits(meta, config, self.cfg.data)
+        derived = getattr(getattr(model, "args", None), "bert_input_meta", None)
+        if meta is not None and derived:
+            where = "the checkpoint" if from_checkpoint else "the model's flags"
+            check_input_settings(input_settings(meta), derived,
+                                 os.path.join(data_path, META_NAME.format(lang=self.cfg.source_lang)),
+                                 f"the BERT input that {where} derive(s)")
         return model
+
+
+def continue_schedule_across_phases():
+    """``fairseq-train --restore-file PREV.pt --reset-optimizer`` with ``--task translation_bert`` (moving to the
+    next BERT-JAM phase, whose trainable parameters differ): the optimizer state is reset, but the update
+    counter and the LR scheduler's state continue from the checkpoint, as in the official code (fairseq would
+    restart them, so inverse_sqrt would warm up to its peak again). ``--reset-lr-scheduler`` (and
+    ``--finetune-from-model``, which implies it) restarts them as fairseq does. Also shows the one-line
+    FairseqExtError of loading (e.g. a BERT directory whose weights do not match the checkpoint) instead of
+    fairseq's "Cannot load model parameters"."""
+    from fairseq.trainer import Trainer
+
+    original = Trainer.load_checkpoint
+    if getattr(original, "_bert_jam_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, *args, **kwargs):
+        try:
+            extra_state = original(self, filename, reset_optimizer, reset_lr_scheduler, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc.__context__, FairseqExtError) and not isinstance(exc, FairseqExtError):
+                raise exc.__context__ from None
+            raise
+        history = self._optim_history or []
+        if (isinstance(self.task, TranslationBertTask) and extra_state is not None and reset_optimizer
+                and not reset_lr_scheduler and history and "num_updates" in history[-1]):
+            last = history[-1]
+            if "lr_scheduler_state" in last:
+                try:
+                    self.lr_scheduler.load_state_dict(last["lr_scheduler_state"])
+                except Exception:  # noqa: BLE001 - another scheduler: its num_updates-driven schedule only
+                    pass
+            self.set_num_updates(last["num_updates"])
+            logger.info(f"translation_bert: --reset-optimizer reset the optimizer state; the update counter and "
+                        f"LR schedule continue from {filename} at {last['num_updates']} updates (lr "
+                        f"{self.get_lr():g}); --reset-lr-scheduler would restart them")
+        return extra_state
+
+    load_checkpoint._bert_jam_wrapped = True
+    Trainer.load_checkpoint = load_checkpoint
+
+
+continue_schedule_across_phases()
