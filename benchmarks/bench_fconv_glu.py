@@ -1,16 +1,21 @@
 """fconv_glu_iwslt_de_en against fairseq's fconv_iwslt_de_en on the bundled German-English corpus, in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_fconv_glu.py [--rounds 3] [--train-batches 8]
-        [--decode-sentences 128] [--beam 5] [--workdir /tmp/bench_fconv_glu]
+        [--decode-sentences 128 (0: the whole test set)] [--seed 1] [--beam 5] [--workdir /tmp/bench_fconv_glu]
 
 Both models are built once with the same weights (fairseq's copied into ours), so they compute the same
 function; the contenders alternate within each round (order flipped every round) and the script prints
 per-round ratios and their median, so a loaded machine slows both alike:
 
-* train tokens/s: forward + backward + NAG step (lr 0.25, clip 0.1, as the paper's IWSLT recipe) on the same
+* train tokens/s: forward + backward + an SGD step with Nesterov momentum 0.99 (lr 0.25, clip 0.1, as fairseq's
+  IWSLT recipe; fairseq's NAG differs only by its lr correction, the same work per step) on the same
   max-tokens-4000 batches, dropout 0.2, label-smoothed cross-entropy 0.1;
 * decode sentences/s: fairseq's SequenceGenerator (what fairseq-generate runs), beam 5, after
-  ``prepare_for_inference_`` (BeamableMM for both), on the same test sentences; hypotheses are checked equal;
+  ``prepare_for_inference_`` (BeamableMM for both), on the same test sentences: a random sample of
+  --decode-sentences of the 1,000 (seed --seed), or all of them with 0, batched by length as fairseq-generate
+  does (fairseq's test iterator is length-sorted, so its first batches would be the shortest sentences only,
+  where per-step fixed costs dominate); the output states the sample and its lengths; hypotheses are checked
+  equal;
 * peak memory: bytes of the tensors autograd saves for the backward pass of one training step (activation
   memory; deterministic on CPU, where no allocator statistics exist), plus ``torch.cuda.max_memory_allocated``
   when run on a GPU.
@@ -90,6 +95,31 @@ def batches(task, split, device, max_tokens=None, max_sentences=None, n=None):
     return out
 
 
+def decode_samples(task, device, n, batch_size, seed):
+    """A random sample of n test sentences (all with n <= 0), in length-sorted batches as fairseq-generate forms
+    them. Returns (batches, description)."""
+    import numpy as np
+    from fairseq import utils
+
+    ds = task.dataset("test")
+    total = len(ds)
+    if 0 < n < total:
+        idx = np.random.RandomState(seed).choice(total, n, replace=False)
+        what = f"a random sample of {n} of the {total} test sentences (seed {seed})"
+    else:
+        idx = np.arange(total)
+        what = f"all {total} test sentences"
+    idx = idx[np.lexsort((ds.tgt_sizes[idx], ds.src_sizes[idx]))]  # by source, then target length
+    lengths = ds.src_sizes[idx]
+    what += (f"; source lengths mean {lengths.mean():.1f} (test set {ds.src_sizes.mean():.1f}), "
+             f"{lengths.min()}-{lengths.max()} BPE tokens")
+    out = []
+    for i in range(0, len(idx), batch_size):
+        sample = ds.collater([ds[int(j)] for j in idx[i:i + batch_size]])
+        out.append(utils.move_to_cuda(sample, device) if device.type == "cuda" else sample)
+    return out, what
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -151,7 +181,8 @@ def main():
     p.add_argument("--workdir", default="/tmp/bench_fconv_glu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--train-batches", type=int, default=8)
-    p.add_argument("--decode-sentences", type=int, default=128)
+    p.add_argument("--decode-sentences", type=int, default=128, help="random test sentences (0: all 1,000)")
+    p.add_argument("--seed", type=int, default=1, help="of the random test sample")
     p.add_argument("--decode-batch", type=int, default=32)
     p.add_argument("--beam", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -165,13 +196,12 @@ def main():
 
     criterion = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
     train_samples = batches(task, "train", device, max_tokens=4000, n=a.train_batches)
-    test_samples = batches(task, "test", device, max_sentences=a.decode_batch,
-                           n=max(1, a.decode_sentences // a.decode_batch))
+    test_samples, test_what = decode_samples(task, device, a.decode_sentences, a.decode_batch, a.seed)
     n_params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
     print(f"device {device}, torch threads {torch.get_num_threads()}, parameters: "
           + ", ".join(f"{k} {v:,}" for k, v in n_params.items()))
-    print(f"train: {len(train_samples)} batches of max-tokens 4000 per round; decode: "
-          f"{sum(s['nsentences'] for s in test_samples)} test sentences, beam {a.beam}, per round")
+    print(f"train: {len(train_samples)} batches of max-tokens 4000 per round; decode: beam {a.beam}, per round, "
+          f"{test_what}")
 
     # memory first (fresh models), then speed
     mem = {k: saved_activation_bytes(m, criterion, train_samples[0]) for k, m in models.items()}
