@@ -3,29 +3,45 @@
 torch >= 2.6 unpickles with ``torch.load(weights_only=True)``: only tensors, containers and allow-listed
 classes may be rebuilt. fairseq checkpoints also hold ``argparse.Namespace``, omegaconf containers and nodes
 and a few numpy objects, so ``fairseq-generate``, ``fairseq-interactive``, ``fairseq-validate``,
-``--restore-file`` and averaging failed with "Unsupported global". :func:`install`
+``--restore-file``, the hub (``from_pretrained``) and averaging failed with "Unsupported global". What this module
+guarantees, and what it does not:
 
-* allow-lists exactly those classes (:data:`SAFE_GLOBALS`) with ``torch.serialization.add_safe_globals``,
-  keeping ``weights_only=True`` (no ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``), so a checkpoint that pickles
-  anything else (a function, a class with a ``__reduce__``, ``os.system``) is refused;
-* wraps ``fairseq.checkpoint_utils.load_checkpoint_to_cpu`` so that a refused, truncated or corrupted file
-  raises :class:`UnsafeCheckpointError` / :class:`CorruptCheckpointError`: one line naming the file, and
-  from the command line only that line is printed (no traceback from deep inside torch);
-* wraps ``fairseq.checkpoint_utils.load_model_ensemble_and_task`` so that a checkpoint whose tensors do not
-  fit the dictionaries of the data directory (torch's "size mismatch for encoder.embed_tokens.weight") raises
-  :class:`DictionaryMismatchError`: one line naming the dictionary file and the checkpoint;
-* makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic: a kill
-  during the copy leaves the previous file intact (fairseq already writes the first file atomically).
+* **The pickle.** Our loaders (fairseq's ``checkpoint_utils.load_checkpoint_to_cpu`` and every other
+  ``torch.load`` of ``fairseq.checkpoint_utils``, and :func:`load_checkpoint_file`) unpickle with
+  ``weights_only=True`` and the allow-list :data:`SAFE_GLOBALS` (exactly the classes fairseq checkpoints hold),
+  added for the duration of the load only (``torch.load`` elsewhere in the process is not widened). A checkpoint
+  that pickles anything else (a function, a class with a ``__reduce__``, ``os.system``) is refused.
+* **The config.** Unpickling safely is not enough: fairseq ``eval()``s some config strings when it builds the
+  model, the task or the optimizer (fconv's ``encoder_layers``, every transformer layer's
+  ``xformers_att_config``, ``character_filters``, ``adam_betas``, ...; :data:`EVAL_FIELDS`). Our loaders check
+  every ``args``/``cfg`` value of a field named there, in every section and nested config, and refuse any that
+  is not a plain literal (numbers, strings, True/False/None, lists, tuples, dicts, and ``+``/``*`` between
+  them as in ``"[(512, 3)] * 20 + [(1024, 3)] * 2"``, at most :data:`MAX_LITERAL_ITEMS` items). They also
+  refuse omegaconf ``${...}`` interpolations other than a plain reference to another key (``${oc.env:...}`` and
+  other resolvers could read the environment or run a registered function).
+* **Not covered.** The tensors of a checkpoint are still untrusted data (a model built from them translates
+  whatever its weights say); fields that other plugins ``eval()`` are not checked unless they are in
+  :data:`EVAL_FIELDS`; paths named in a config (e.g. ``bert_model_name``) are opened as given.
+
+Errors are :class:`FairseqExtError` subclasses with one line naming the file (and the field): from the command
+line only that line is printed. :func:`install` also wraps ``load_model_ensemble_and_task`` and
+``Trainer.load_checkpoint`` to name the dictionary file when a checkpoint does not fit the data's dictionaries,
+and makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic and durable
+(a temporary file in the same directory, fsynced, renamed; temporary files a killed process left behind are
+removed at the next copy).
 """
 
 import argparse
+import ast
 import collections
-import enum
 import functools
 import os
 import pickle
 import re
 import shutil
+import socket
+import threading
+import types
 import typing
 import zipfile
 
@@ -75,6 +91,7 @@ def _safe_globals():
         oc_nodes.BytesNode,
         oc_nodes.PathNode,
         typing.Any,  # the ref_type of untyped omegaconf nodes
+        dict, list, int,  # the object_type / element_type metadata of a pickled DictConfig or ListConfig
         collections.defaultdict,
         collections.OrderedDict,
         # numpy values fairseq writes (e.g. np.float64 best_loss, numpy RNG states in extra_state)
@@ -90,23 +107,223 @@ def _safe_globals():
                      "Int8DType", "UInt8DType", "UInt32DType", "UInt64DType", "BoolDType"):
             if hasattr(dtypes, name):
                 allowed.append(getattr(dtypes, name))
-    # fairseq's own enums that configs may store (ChoiceEnum values of dataclass fields)
-    allowed.extend(_fairseq_enums())
+    # No enums: fairseq saves its ChoiceEnum values as strings (``enum_to_str=True``), and torch keys allowed
+    # classes by ``module.qualname``, under which all of fairseq's ChoiceEnums are one name anyway.
     return allowed
-
-
-def _fairseq_enums():
-    try:
-        from fairseq.dataclass import constants
-    except ImportError:
-        return []
-    return [v for v in vars(constants).values()
-            if isinstance(v, type) and issubclass(v, enum.Enum) and v is not enum.Enum and v.__module__ == constants.__name__]
 
 
 SAFE_GLOBALS = None  # filled by install()
 _installed = False
 
+
+# --------------------------------------------------------------------------------------------------------
+# the allow-list, for the duration of our loads only
+# --------------------------------------------------------------------------------------------------------
+
+_allow_lock = threading.Lock()
+_allow_depth = 0
+_allow_added = []
+
+
+class _allow_listed:
+    """Add :data:`SAFE_GLOBALS` to torch's weights-only allow-list while our loader runs (re-entrant and
+    thread-safe; what the user allowed himself with ``torch.serialization.add_safe_globals`` is left as it was)."""
+
+    def __enter__(self):
+        global _allow_depth, _allow_added
+        with _allow_lock:
+            if _allow_depth == 0:
+                present = set(torch.serialization.get_safe_globals())
+                _allow_added = [g for g in SAFE_GLOBALS if g not in present]
+                torch.serialization.add_safe_globals(_allow_added)
+            _allow_depth += 1
+
+    def __exit__(self, *exc):
+        global _allow_depth, _allow_added
+        with _allow_lock:
+            _allow_depth -= 1
+            if _allow_depth == 0:
+                from torch import _weights_only_unpickler
+
+                _weights_only_unpickler._remove_safe_globals(_allow_added)
+                _allow_added = []
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------
+# the config strings fairseq eval()s
+# --------------------------------------------------------------------------------------------------------
+
+# Fields whose string value fairseq 0.12 passes to eval() (``eval(args.x)``, ``utils.eval_str_list``,
+# ``utils.eval_str_dict``, ``utils.eval_bool``) when it builds a model, task, optimizer or criterion from a
+# checkpoint's config (grep fairseq for "eval(" to extend this list), and the layer specs of fconv_glu.
+EVAL_FIELDS = frozenset({
+    # fconv, fconv_lm, fconv_self_att (and fconv_glu, which parses them without eval)
+    "encoder_layers", "decoder_layers", "encoder_attention", "decoder_attention", "self_attention",
+    "project_input", "gated_attention", "downsample", "pretrained",
+    # transformer_lm, lightconv_lm, lstm, lstm_lm, transformer and lightconv decoders
+    "character_filters", "adaptive_input_cutoff", "adaptive_softmax_cutoff",
+    # every MultiheadAttention of the transformer family (also as encoder_/decoder_xformers_att_config)
+    "xformers_att_config",
+    # optimizers
+    "adam_betas", "adamax_betas", "adafactor_eps", "lamb_betas",
+    # criterion ctc; wav2vec, hubert, speech-to-text feature extractors; raw audio datasets
+    "wer_args", "conv_feature_layers", "conv_aggregator_layers", "feature_encoder_spec",
+    # multilingual tasks
+    "left_pad_source", "left_pad_target",
+    # pipeline model parallelism
+    "pipeline_balance", "pipeline_devices", "pipeline_encoder_devices", "pipeline_decoder_devices",
+    # fairseq-validate evals the model overrides
+    "model_overrides",
+})
+_EVAL_FIELD_SUFFIXES = ("_xformers_att_config",)
+
+MAX_LITERAL_ITEMS = 1000  # items in a list, tuple, dict or string that + or * may build
+MAX_LITERAL_CHARS = 100_000  # characters of an eval'd config string
+_NUMBERS = (int, float, complex)
+_PLAIN_REFERENCE = re.compile(r"\$\{\.*[A-Za-z_][\w.]*\}")  # ${model.encoder_embed_dim}, ${..foo}
+
+
+def is_eval_field(name):
+    return isinstance(name, str) and (name in EVAL_FIELDS or name.endswith(_EVAL_FIELD_SUFFIXES))
+
+
+def literal_value(text):
+    """The value of ``text`` if it is a plain literal expression (what :data:`EVAL_FIELDS` may hold), else
+    ValueError saying why. Evaluating such a string with ``eval`` has no side effects and a bounded size."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    text = text.lstrip(" \t")  # what eval() skips
+    if len(text) > MAX_LITERAL_CHARS:
+        raise ValueError(f"longer than {MAX_LITERAL_CHARS} characters")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise ValueError(f"not a Python literal ({type(exc).__name__})") from None
+
+    def sized(value):
+        if isinstance(value, (list, tuple, dict, set, str, bytes)) and len(value) > MAX_LITERAL_ITEMS:
+            raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
+        return value
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, _NUMBERS + (str, bytes))):
+            return sized(node.value)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            items = [ev(e) for e in node.elts]  # a Starred element is refused below
+            return sized(tuple(items) if isinstance(node, ast.Tuple) else items if isinstance(node, ast.List)
+                         else set(map(_hashable, items)))
+        if isinstance(node, ast.Dict) and None not in node.keys:
+            return sized({_hashable(ev(k)): ev(v) for k, v in zip(node.keys, node.values)})
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            v = ev(node.operand)
+            if isinstance(v, _NUMBERS):
+                return -v if isinstance(node.op, ast.USub) else +v
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS):
+                if isinstance(node.op, ast.Mult) and isinstance(a, int) and isinstance(b, int) and \
+                        a.bit_length() + b.bit_length() > 4096:
+                    raise ValueError("multiplies numbers of more than 4096 bits")
+                return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
+            seqs = (list, tuple, str, bytes)
+            if isinstance(node.op, ast.Add) and isinstance(a, seqs) and type(a) is type(b):
+                if len(a) + len(b) > MAX_LITERAL_ITEMS:
+                    raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
+                return a + b
+            if isinstance(node.op, ast.Mult) and isinstance(b, seqs) and isinstance(a, int):
+                a, b = b, a
+            if isinstance(node.op, ast.Mult) and isinstance(a, seqs) and isinstance(b, int):
+                if len(a) * max(b, 0) > MAX_LITERAL_ITEMS:
+                    raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
+                return a * b
+            raise ValueError(f"{type(node.op).__name__} of {type(a).__name__} and {type(b).__name__}")
+        what = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)) else node).__name__
+        raise ValueError(f"{what} is not allowed (only literals, lists, tuples, dicts, + and *)")
+
+    try:
+        return ev(tree.body)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except TypeError as exc:  # e.g. an unhashable dict key
+        raise ValueError(str(exc)) from None
+
+
+def _hashable(value):
+    if isinstance(value, list):
+        raise ValueError("a list cannot be a dict key or set item")
+    return value
+
+
+def _config_items(obj):
+    """(key, value) of a config container without resolving interpolations, or None for a leaf."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(obj, (DictConfig, ListConfig)):
+        obj = OmegaConf.to_container(obj, resolve=False)
+    if isinstance(obj, argparse.Namespace):
+        return list(vars(obj).items())
+    if isinstance(obj, dict):
+        return list(obj.items())
+    if isinstance(obj, (list, tuple)):
+        return list(enumerate(obj))
+    return None
+
+
+def config_problem(state):
+    """``(field, reason)`` for the first value of ``state["args"]`` / ``state["cfg"]`` that fairseq could run
+    code from (see the module docstring), or None."""
+
+    def walk(obj, where, name, depth):
+        if depth > 64:
+            return where, "is nested more than 64 levels deep"
+        if isinstance(obj, (str, bytes)):
+            if isinstance(obj, str) and "${" in obj:
+                rest = _PLAIN_REFERENCE.sub("", obj)
+                if "${" in rest:  # a resolver (${oc.env:HOME}), a nested or an unterminated interpolation
+                    return where, f"is an omegaconf interpolation ({obj[:80]!r}), which could read the environment"
+            if is_eval_field(name):
+                try:
+                    literal_value(obj)
+                except ValueError as exc:
+                    return where, f"= {obj[:80]!r} is not a plain literal ({exc}), and fairseq eval()s it"
+            return None
+        try:
+            items = _config_items(obj)
+        except Exception as exc:  # noqa: BLE001 - a malformed omegaconf container
+            return where, f"is not a readable config ({type(exc).__name__})"
+        for key, value in items or ():
+            sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"
+            found = walk(value, sub, key if not isinstance(key, int) else name, depth + 1)
+            if found:
+                return found
+        return None
+
+    if not isinstance(state, dict):
+        return None
+    for section in ("args", "cfg"):
+        try:
+            found = walk(state.get(section), section, section, 0)
+        except RecursionError:
+            found = section, "is nested too deeply"
+        if found:
+            return found
+    return None
+
+
+def check_config(state, path):
+    """Raise :class:`UnsafeCheckpointError` if :func:`config_problem` finds something in ``state``."""
+    found = config_problem(state)
+    if found:
+        where, reason = found
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: config field {where} {reason}; only load checkpoints from a "
+            "source you trust (a genuine fairseq checkpoint holds plain literals there)")
+
+
+# --------------------------------------------------------------------------------------------------------
+# loading
+# --------------------------------------------------------------------------------------------------------
 
 def _refused_global(exc):
     """The name of the object torch's weights-only unpickler refused (e.g. ``posix.system``), or None."""
@@ -114,21 +331,48 @@ def _refused_global(exc):
     return m.group(1) if m else None
 
 
+# what torch's weights-only unpickler says when it refuses something (rather than failing to read the bytes)
+_REFUSALS = ("Unsupported", "Can only", "Trying to", "is blocked", "persistent_load", "allowlisted",
+             "Only persistent_load")
+
+
 def _short_reason(exc):
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    lines = [line.strip().split("WeightsUnpickler error: ")[-1] for line in str(exc).splitlines() if line.strip()]
     for line in lines:  # torch's own detail line, not its boilerplate
-        if line.startswith(("Unsupported", "invalid load key", "PytorchStreamReader", "unexpected EOF")):
+        if line.startswith(("invalid load key", "PytorchStreamReader", "unexpected EOF") + _REFUSALS):
             return line
     return lines[0] if lines else type(exc).__name__
 
 
+def _refusal(path, exc):
+    """torch's reason if ``exc`` is its weights-only unpickler refusing the pickle (not a damaged file)."""
+    if not isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" not in str(exc):
+        return None
+    reason = _short_reason(exc)
+    if reason.startswith("Unsupported operand"):  # an opcode it does not implement (e.g. protocol 4's FRAME),
+        try:  # in the pickle of a readable torch zip file, or just garbage bytes
+            readable = zipfile.is_zipfile(path)
+        except (OSError, TypeError):
+            readable = False
+        return reason if readable else None
+    return reason if reason.startswith(_REFUSALS) else None
+
+
 def _check_readable(path, exc):
-    """Map errors of torch.load to FairseqExtError subclasses; re-raise anything else."""
+    """Map errors of torch.load to FairseqExtError subclasses; None for anything else (re-raised as is)."""
+    if isinstance(exc, FairseqExtError):
+        return None
     if isinstance(exc, pickle.UnpicklingError) and _refused_global(exc):
         return UnsafeCheckpointError(
             f"refusing to load checkpoint {path}: it pickles {_refused_global(exc)}, which fairseq checkpoints "
             "never hold and which could run code; only load checkpoints from a source you trust (if this one "
             "is a genuine fairseq checkpoint, report the object so it can join fairseq_ext.checkpoint_io.SAFE_GLOBALS)"
+        )
+    if _refusal(path, exc):
+        return UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: torch's weights_only unpickler refuses it ({_refusal(path, exc)}), "
+            "and fairseq checkpoints never need that; only load checkpoints from a source you trust (a genuine "
+            "checkpoint saved with another pickle protocol can be re-saved with torch.save's default protocol)"
         )
     # torch's zip reader reports some truncations as a bare OSError ("[Errno 22] Invalid argument")
     damaged_zip = (isinstance(exc, OSError) and os.path.isfile(str(path))
@@ -143,14 +387,26 @@ def _check_readable(path, exc):
     return None
 
 
+_local = threading.local()
+
+
+def _safe_load(f, path, map_location=None):
+    """``torch.load(f)`` with ``weights_only=True`` and :data:`SAFE_GLOBALS`, then :func:`check_config`."""
+    with _allow_listed():
+        state = torch.load(f, map_location=map_location, weights_only=True)
+    check_config(state, path)
+    _local.loads = getattr(_local, "loads", 0) + 1
+    return state
+
+
 def load_checkpoint_file(path):
-    """``torch.load`` a fairseq checkpoint to CPU with the allow-list, with the errors of this module."""
+    """Read a fairseq checkpoint to CPU the safe way (see the module docstring), with this module's errors."""
     install()
     if not os.path.isfile(path):
         raise FairseqExtError(f"checkpoint {path} does not exist")
     try:
         with open(path, "rb") as f:
-            return torch.load(f, map_location=torch.device("cpu"), weights_only=True)
+            return _safe_load(f, path, torch.device("cpu"))
     except Exception as exc:  # noqa: BLE001 - classified below, re-raised when unknown
         mapped = _check_readable(path, exc)
         if mapped is None:
@@ -158,18 +414,121 @@ def load_checkpoint_file(path):
         raise mapped from None
 
 
-def atomic_torch_save(obj, path):
-    """Write ``obj`` to ``path`` through a temporary file in the same directory and an atomic rename."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+class _CheckpointUtilsTorch(types.ModuleType):
+    """What ``fairseq.checkpoint_utils`` sees as ``torch``: torch, except that ``torch.load`` is our safe load
+    (whatever ``weights_only`` fairseq passes: fairseq main passes ``weights_only=False``)."""
+
+    def __init__(self):
+        super().__init__("torch", torch.__doc__)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, map_location=None, *args, **kwargs):
+        return _safe_load(f, getattr(f, "name", f), map_location)
+
+
+def _load_checkpoint_to_cpu(original):
+    """fairseq's ``load_checkpoint_to_cpu`` (fairseq-generate, -interactive, -validate, ``--restore-file``,
+    ``--finetune-from-model``, the hub), refusing what our loader refuses with one line naming ``path``, and
+    refusing to return a state that did not come through our loader (a fairseq that loads otherwise)."""
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        loads = getattr(_local, "loads", 0)
+        try:
+            state = original(path, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised unchanged unless classified
+            mapped = _check_readable(path, exc)
+            if mapped is None:
+                raise
+            raise mapped from None
+        if getattr(_local, "loads", 0) == loads:
+            import fairseq
+
+            raise UnsafeCheckpointError(
+                f"refusing checkpoint {path}: fairseq {getattr(fairseq, '__version__', '?')} read it without "
+                "fairseq_ext's safe loader (fairseq.checkpoint_utils no longer calls torch.load); use the "
+                "fairseq version of install.sh")
+        check_config(state, path)  # also the user's --model-overrides, applied by fairseq after loading
+        return state
+
+    load_checkpoint_to_cpu._fairseq_ext_wrapped = True
+    return load_checkpoint_to_cpu
+
+
+# --------------------------------------------------------------------------------------------------------
+# atomic, durable writes
+# --------------------------------------------------------------------------------------------------------
+
+def _tmp_name(path):
+    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def remove_stale_temporaries(path):
+    """Delete ``<path>.tmp.<host>.<pid>`` files that a process of this host, now dead, left behind (a kill
+    during a copy or save: ``finally`` does not run on SIGKILL). Returns the removed paths."""
+    directory, base = os.path.split(os.path.abspath(path))
+    prefix = f"{base}.tmp.{socket.gethostname()}."
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(prefix):]
+        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            try:
+                os.remove(os.path.join(directory, name))
+                removed.append(os.path.join(directory, name))
+            except OSError:
+                pass
+    return removed
+
+
+def _fsync_directory(path):
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path, write):
+    """``write(f)`` into a temporary file beside ``path``, fsync it, rename it to ``path``, fsync the directory."""
+    remove_stale_temporaries(path)
+    tmp = _tmp_name(path)
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_directory(path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def atomic_torch_save(obj, path):
+    """Write ``obj`` to ``path`` through a temporary file in the same directory and an atomic rename."""
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _map_errors(owner, name, classify):
@@ -238,6 +597,7 @@ def _restore_mismatch(exc, trainer, filename, *args, **kwargs):
     return _dictionary_mismatch([filename], trainer.task, cause) if isinstance(cause, RuntimeError) else None
 
 
+
 def _make_checkpoint_copies_atomic():
     from fairseq.file_io import PathManager
 
@@ -250,13 +610,12 @@ def _make_checkpoint_copies_atomic():
             return original(src_path, dst_path, overwrite)
         if not overwrite and os.path.exists(dst_path):
             return False
-        tmp = f"{dst_path}.tmp.{os.getpid()}"
-        try:
-            shutil.copyfile(src_path, tmp)
-            os.replace(tmp, dst_path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+
+        def write(f):
+            with open(src_path, "rb") as src:
+                shutil.copyfileobj(src, f, 16 << 20)
+
+        _atomic_write(dst_path, write)
         return True
 
     copy._fairseq_ext_wrapped = True
@@ -269,11 +628,13 @@ def install():
     if _installed:
         return
     SAFE_GLOBALS = _safe_globals()
-    torch.serialization.add_safe_globals(SAFE_GLOBALS)
     from fairseq import checkpoint_utils
     from fairseq.trainer import Trainer
 
-    _map_errors(checkpoint_utils, "load_checkpoint_to_cpu", lambda exc, path, *a, **k: _check_readable(path, exc))
+    if not isinstance(checkpoint_utils.torch, _CheckpointUtilsTorch):
+        checkpoint_utils.torch = _CheckpointUtilsTorch()
+    if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "_fairseq_ext_wrapped", False):
+        checkpoint_utils.load_checkpoint_to_cpu = _load_checkpoint_to_cpu(checkpoint_utils.load_checkpoint_to_cpu)
     _map_errors(checkpoint_utils, "load_model_ensemble_and_task", _ensemble_mismatch)
     _map_errors(Trainer, "load_checkpoint", _restore_mismatch)
     _make_checkpoint_copies_atomic()

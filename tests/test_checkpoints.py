@@ -55,7 +55,7 @@ def test_real_checkpoint_loads_with_weights_only(tiny_transformer_dir):
     from fairseq import checkpoint_utils
 
     path = os.path.join(tiny_transformer_dir, "checkpoint_last.pt")
-    state = torch.load(path, weights_only=True)  # the allow-list alone makes this work
+    state = checkpoint_io.load_checkpoint_file(path)  # weights_only=True with the allow-list
     assert isinstance(state["cfg"]["model"], argparse.Namespace)  # fairseq stores legacy model args so
     state = checkpoint_utils.load_checkpoint_to_cpu(path)
     assert "model" in state and state["cfg"]["model"].arch == "transformer_iwslt_de_en"
@@ -77,7 +77,7 @@ def test_malicious_checkpoint_is_refused_in_process(tmp_path):
 def test_malicious_checkpoint_is_refused_by_fairseq_generate(tiny_transformer_dir, tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
-    state = torch.load(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), weights_only=True)
+    state = checkpoint_io.load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
     state["extra_state"]["payload"] = _Exploit(marker)
     torch.save(state, path)
     proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
@@ -104,11 +104,11 @@ def test_checkpoint_copies_are_atomic(tmp_path, monkeypatch):
     src.write_bytes(b"new" * 1000)
     dst.write_bytes(b"old")
 
-    def dying_copyfile(a, b):  # the process dies half way through the copy
-        open(b, "wb").write(b"ne")
+    def dying_copy(a, b, length=0):  # the process dies half way through the copy
+        b.write(b"ne")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(shutil, "copyfile", dying_copyfile)
+    monkeypatch.setattr(shutil, "copyfileobj", dying_copy)
     with pytest.raises(KeyboardInterrupt):
         PathManager.copy(str(src), str(dst), overwrite=True)
     assert dst.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["checkpoint5.pt", "checkpoint_last.pt"]
@@ -150,7 +150,7 @@ def test_average_is_the_exact_elementwise_mean(tmp_path):
     states = dict(zip(names, _fake_checkpoints(tmp_path, names)))
     out = tmp_path / "avg.pt"
     assert avg.main(["--inputs", str(tmp_path), "--num-epoch-checkpoints", "3", "--output", str(out)]) == 0
-    got = torch.load(out, weights_only=True)
+    got = checkpoint_io.load_checkpoint_file(str(out))
     chosen = [states["checkpoint10.pt"], states["checkpoint3.pt"], states["checkpoint2.pt"]]  # newest 3 epochs
     expected = _expected_mean(chosen)
     for k in expected:
@@ -165,7 +165,7 @@ def test_average_by_update_and_upper_bound_through_the_cli(tmp_path):
     out = tmp_path / "avg.pt"
     run_module("fairseq_ext.average_checkpoints", ["--inputs", tmp_path, "--num-update-checkpoints", "2",
                                                    "--checkpoint-upper-bound", "300", "--output", out])
-    got = torch.load(out, weights_only=True)["model"]
+    got = checkpoint_io.load_checkpoint_file(str(out))["model"]
     expected = _expected_mean([states["checkpoint_2_300.pt"], states["checkpoint_1_200.pt"]])
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
