@@ -59,8 +59,12 @@ SQRT_HALF = math.sqrt(0.5)
 # --------------------------------------------------------------------------------------------------------
 
 
+MAX_LAYERS = 1000  # a spec such as "[(8, 1)] * 100000000" (from a hostile checkpoint) is refused, not built
+
+
 def _safe_eval(expr, flag):
-    """Evaluate a layer spec made of list/tuple/int/bool literals, + and * only (no ``eval``)."""
+    """Evaluate a layer spec made of list/tuple/int/bool literals, + and * only (no ``eval``), of at most
+    :data:`MAX_LAYERS` items."""
 
     def ev(node):
         if isinstance(node, ast.Expression):
@@ -73,12 +77,19 @@ def _safe_eval(expr, flag):
             return [ev(e) for e in node.elts]
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             a, b = ev(node.left), ev(node.right)
-            return a + b if isinstance(node.op, ast.Add) else a * b
+            n = len(a) if isinstance(a, (list, tuple)) else len(b) if isinstance(b, (list, tuple)) else 0
+            times = b if isinstance(a, (list, tuple)) else a
+            if isinstance(node.op, ast.Mult) and n and isinstance(times, int) and n * times > MAX_LAYERS:
+                raise FairseqExtError(f"{flag} {str(expr)[:200]!r} builds more than {MAX_LAYERS} layers")
+            out = a + b if isinstance(node.op, ast.Add) else a * b
+            if isinstance(out, (list, tuple)) and len(out) > MAX_LAYERS:
+                raise FairseqExtError(f"{flag} {str(expr)[:200]!r} builds more than {MAX_LAYERS} layers")
+            return out
         raise ValueError(ast.dump(node))
 
     try:
         return ev(ast.parse(str(expr).strip(), mode="eval"))
-    except (SyntaxError, ValueError, TypeError) as exc:
+    except (SyntaxError, ValueError, TypeError, RecursionError) as exc:
         raise FairseqExtError(
             f"{flag} {expr!r} is not a valid layer spec: write a Python-style list such as "
             f"\"[(512, 3)] * 9 + [(1024, 3)] * 4\" (only lists, tuples, integers, True/False, + and *)"
