@@ -7,8 +7,11 @@ does; that script is not installed by pip).
 
 Floating-point parameters are summed in float64 and divided once, so the result is the element-wise mean
 rounded once to the parameters' dtype; integer buffers get the floor of the mean, as in fairseq. Everything
-else in the output (config, task state, optimizer history) comes from the newest input. Inputs are read
-with the safe loader of :mod:`fairseq_ext.checkpoint_io`, and the output is written atomically.
+else in the output (config, task state, optimizer history) comes from the first input: the newest with
+``--num-epoch-checkpoints`` / ``--num-update-checkpoints``, the first one named otherwise. Inputs are read
+with the safe loader of :mod:`fairseq_ext.checkpoint_io` (a checkpoint it refuses stops the averaging with one
+line naming the file and, for a config that fairseq would ``eval()``, the field), and the output is written
+atomically.
 """
 
 import argparse

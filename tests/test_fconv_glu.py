@@ -390,7 +390,9 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
     ours_ckpt = os.path.join(d, "converted.pt")
     out = run_module("fairseq_ext.convs2s.convert", ["--convert-from-fconv", ref_ckpt, ours_ckpt]).stdout
     assert "wrote" in out
-    state = torch.load(ours_ckpt, weights_only=True)
+    from fairseq_ext.checkpoint_io import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
+
+    state = load_checkpoint_file(ours_ckpt)
     assert state["cfg"]["model"].arch == ARCH
     from concurrent.futures import ThreadPoolExecutor
 
@@ -407,7 +409,7 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
     # B4: fconv's optimizer state is positional in fconv's parameter order, which is not fconv_glu's: it is
     # dropped, and training continues from the converted checkpoint without --reset-optimizer (it used to fail
     # on the NAG momentum's shapes, or silently give layers another layer's momentum)
-    assert "last_optimizer_state" in torch.load(ref_ckpt, weights_only=True)
+    assert "last_optimizer_state" in load_checkpoint_file(ref_ckpt)
     assert "last_optimizer_state" not in state and "optimizer state is not converted" in out
     save = str(tmp_path / "continued")
     train = run_cli("train", _train_args(d, ["--restore-file", ours_ckpt, "--save-dir", save, "--max-epoch", "2",
