@@ -121,32 +121,35 @@ _installed = False
 # --------------------------------------------------------------------------------------------------------
 
 _allow_lock = threading.Lock()
-_allow_depth = 0
-_allow_added = []
+_allow_counts = collections.Counter()  # how many of our loads allowed each global now
 
 
 class _allow_listed:
-    """Add :data:`SAFE_GLOBALS` to torch's weights-only allow-list while our loader runs (re-entrant and
-    thread-safe; what the user allowed himself with ``torch.serialization.add_safe_globals`` is left as it was)."""
+    """Add ``globals_`` (default :data:`SAFE_GLOBALS`) to torch's weights-only allow-list while our loader runs
+    (re-entrant and thread-safe; what the user allowed himself with ``torch.serialization.add_safe_globals`` is
+    left as it was). Other threads' ``torch.load`` calls see the same list meanwhile."""
+
+    def __init__(self, globals_=None):
+        self.globals_ = list(SAFE_GLOBALS if globals_ is None else globals_)
+        self.owned = []
 
     def __enter__(self):
-        global _allow_depth, _allow_added
         with _allow_lock:
-            if _allow_depth == 0:
-                present = set(torch.serialization.get_safe_globals())
-                _allow_added = [g for g in SAFE_GLOBALS if g not in present]
-                torch.serialization.add_safe_globals(_allow_added)
-            _allow_depth += 1
+            present = set(torch.serialization.get_safe_globals())
+            self.owned = [g for g in self.globals_ if _allow_counts[g] or g not in present]
+            _allow_counts.update(self.owned)
+            torch.serialization.add_safe_globals(self.owned)
+        return self
 
     def __exit__(self, *exc):
-        global _allow_depth, _allow_added
-        with _allow_lock:
-            _allow_depth -= 1
-            if _allow_depth == 0:
-                from torch import _weights_only_unpickler
+        from torch import _weights_only_unpickler
 
-                _weights_only_unpickler._remove_safe_globals(_allow_added)
-                _allow_added = []
+        with _allow_lock:
+            _allow_counts.subtract(self.owned)
+            done = [g for g in self.owned if _allow_counts[g] <= 0]
+            for g in done:
+                del _allow_counts[g]
+            _weights_only_unpickler._remove_safe_globals(done)
         return False
 
 
@@ -429,6 +432,20 @@ class _CheckpointUtilsTorch(types.ModuleType):
         return _safe_load(f, getattr(f, "name", f), map_location)
 
 
+class _DistributedUtilsTorch(_CheckpointUtilsTorch):
+    """What ``fairseq.distributed.utils`` sees as ``torch``: its ``torch.load`` reads what rank 0 broadcasts with
+    ``broadcast_object`` (``--restore-file`` on 2+ ranks: the checkpoint state rank 0 read with our loader, its
+    tensors replaced by ``_TensorPlaceholder``) with the same allow-list, instead of failing on the first
+    Namespace, DictConfig or placeholder."""
+
+    @staticmethod
+    def load(f, map_location=None, *args, **kwargs):
+        from fairseq.distributed.utils import _TensorPlaceholder
+
+        with _allow_listed(SAFE_GLOBALS + [_TensorPlaceholder]):
+            return torch.load(f, map_location=map_location, weights_only=True)
+
+
 def _load_checkpoint_to_cpu(original):
     """fairseq's ``load_checkpoint_to_cpu`` (fairseq-generate, -interactive, -validate, ``--restore-file``,
     ``--finetune-from-model``, the hub), refusing what our loader refuses with one line naming ``path``, and
@@ -631,8 +648,12 @@ def install():
     from fairseq import checkpoint_utils
     from fairseq.trainer import Trainer
 
+    from fairseq.distributed import utils as distributed_utils
+
     if not isinstance(checkpoint_utils.torch, _CheckpointUtilsTorch):
         checkpoint_utils.torch = _CheckpointUtilsTorch()
+    if not isinstance(distributed_utils.torch, _DistributedUtilsTorch):
+        distributed_utils.torch = _DistributedUtilsTorch()
     if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "_fairseq_ext_wrapped", False):
         checkpoint_utils.load_checkpoint_to_cpu = _load_checkpoint_to_cpu(checkpoint_utils.load_checkpoint_to_cpu)
     _map_errors(checkpoint_utils, "load_model_ensemble_and_task", _ensemble_mismatch)
