@@ -241,6 +241,8 @@ def build_random_models(args, workdir):
     import torch
     from fairseq import options, tasks
 
+    import fairseq_ext  # noqa: F401  (registers sat_transformer)
+
     size = RANDOM_SIZES["tiny" if args.tiny else "full"]
     data = os.path.join(workdir, "data")
     os.makedirs(data, exist_ok=True)
