@@ -219,6 +219,9 @@ def test_plain_literals_and_key_references_still_load(genuine, tmp_path):
                        encoder_attention="True", character_filters=" [(1, 64), (2, 128)]")
     state["cfg"]["optimizer"] = {"_name": "adam", "adam_betas": "(0.9, 0.98)", "adam_eps": 1e-8}
     state["cfg"]["dataset"]["max_tokens_valid"] = "${dataset.max_tokens}"  # a reference, as fairseq's II()
+    from omegaconf import OmegaConf  # a pickled omegaconf container, as older checkpoints hold
+
+    state["cfg"]["bpe"] = OmegaConf.create({"_name": "subword_nmt", "codes": ["a", 1, 2.5, None], "x": {"y": True}})
     path = _save(tmp_path, state)
     assert load_checkpoint_file(path)["cfg"]["optimizer"]["adam_betas"] == "(0.9, 0.98)"
     assert checkpoint_utils.load_checkpoint_to_cpu(path)["cfg"].dataset.max_tokens_valid == \
@@ -275,6 +278,28 @@ def test_fconv_glu_huge_layer_spec_on_the_command_line(tiny_transformer_dir, tmp
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].startswith("error: --encoder-layers '[(8, 1)] * 100000000' builds more than 1000 layers")
+
+
+# ---- every load of fairseq.checkpoint_utils is ours, whatever weights_only fairseq passes ----
+
+def test_fairseq_asking_for_weights_only_false_still_gets_the_safe_load(tmp_path):
+    from fairseq import checkpoint_utils
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": {}, "x": _Evil()}, path)
+    with open(path, "rb") as f, pytest.raises(pickle.UnpicklingError, match="system"):
+        checkpoint_utils.torch.load(f, map_location="cpu", weights_only=False)  # as fairseq main calls it
+
+
+def test_a_fairseq_that_loads_without_our_loader_is_refused(genuine, tmp_path, monkeypatch):
+    from fairseq import checkpoint_utils
+
+    path = _save(tmp_path, genuine)
+    monkeypatch.setattr(checkpoint_utils, "torch", torch)  # a fairseq whose load_checkpoint_to_cpu bypasses us
+    with torch.serialization.safe_globals(checkpoint_io.SAFE_GLOBALS):
+        with pytest.raises(UnsafeCheckpointError, match=r"refusing checkpoint .*c\.pt: fairseq .* read it without "
+                                                        r"fairseq_ext's safe loader"):
+            checkpoint_utils.load_checkpoint_to_cpu(path)
 
 
 # ---- the allow-list is ours only ----
