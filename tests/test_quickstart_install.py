@@ -71,6 +71,7 @@ def _fake_install(tmp_path, *args, torchaudio=False, user_constraint=None):
     return proc, calls, checkout, venv
 
 
+@pytest.mark.slow  # ~40 s under load: the final check imports torch, fairseq and fairseq_ext
 def test_install_keep_torch_accepts_the_users_torchaudio(tmp_path):
     """B2: `install.sh --keep-torch` (the GPU path) ended with "must not be installed" whenever the user's Python
     could import torchaudio (pytorch.org's default install); its own torch is kept, and so is its torchaudio."""
@@ -90,6 +91,7 @@ def test_install_keep_torch_accepts_the_users_torchaudio(tmp_path):
     assert not (checkout / ".constraints-keep-torch.txt").exists()  # nothing written into the checkout
 
 
+@pytest.mark.slow  # ~40 s under load: the final check imports torch, fairseq and fairseq_ext
 def test_install_cpu_path_refuses_torchaudio_and_pins_torch(tmp_path):
     """Without --keep-torch the venv is ours: torch pinned by constraints.txt (given with -c, which survives the
     space in the checkout path), and a torchaudio in it is an error."""
