@@ -133,7 +133,7 @@ def install():
         "fix_resume_rebuilds_batches_with_epoch_seed": fix_resume_rebuilds_batches_with_epoch_seed,
     }
     version = getattr(fairseq, "__version__", "")
-    if not version.startswith(CHECKED_VERSIONS):
+    if not any(version == v or version.startswith(v + ".") for v in CHECKED_VERSIONS):  # 0.12.3, 0.12.3.1; not 0.12.30
         logger.warning(f"fairseq {version} is not one fairseq_ext's fixes were checked against "
                        f"({', '.join(CHECKED_VERSIONS)}); not applied: {', '.join(fixes)}")
         return []

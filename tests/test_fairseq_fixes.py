@@ -134,3 +134,22 @@ def test_load_checkpoint_marks_only_the_restored_iterator():
         order = np.random.permutation(50)
     assert [list(b) for b in itr.frozen_batches] == [list(order)] and itr.epoch == 3
     assert not FairseqTask.get_batch_iterator.restoring.get()
+
+
+@pytest.mark.parametrize("version,applied", [("0.12.3.1", True), ("0.12.3", True), ("0.12.30", False),
+                                             ("0.12.2", False), ("0.13.0", False), ("", False)])
+def test_fixes_are_applied_only_to_the_checked_fairseq_versions(version, applied, monkeypatch, caplog):
+    """Q3: the fixes re-declare fairseq signatures, so on a fairseq they were not checked against none is applied
+    and a warning names them (installing on the checked version again is a no-op: every fix is idempotent)."""
+    import fairseq
+
+    from fairseq_ext import fairseq_fixes
+
+    before = (FairseqTask.get_batch_iterator, data_utils.batch_by_size, checkpoint_utils.load_checkpoint)
+    monkeypatch.setattr(fairseq, "__version__", version)
+    with caplog.at_level("WARNING", logger="fairseq_ext.fairseq_fixes"):
+        names = fairseq_fixes.install()
+    assert bool(names) == applied
+    assert (FairseqTask.get_batch_iterator, data_utils.batch_by_size, checkpoint_utils.load_checkpoint) == before
+    if not applied:
+        assert "fix_resume_rebuilds_batches_with_epoch_seed" in caplog.text and "not applied" in caplog.text
