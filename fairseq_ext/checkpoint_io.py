@@ -194,9 +194,9 @@ def is_eval_field(name):
 def literal_value(text):
     """The value of ``text`` if it is a plain literal expression (what :data:`EVAL_FIELDS` may hold), else
     ValueError saying why. Evaluating such a string with ``eval`` has no side effects and a bounded size."""
-    if isinstance(text, bytes):
-        text = text.decode("utf-8", errors="replace")
-    text = text.lstrip(" \t")  # what eval() skips
+    if not isinstance(text, str):  # eval() of bytes honours a coding cookie: what it runs is not what we parse
+        raise ValueError(f"{type(text).__name__}, not text")
+    text = text.lstrip(" \t")  # what eval() skips (a str's coding cookie it ignores, as ast.parse does)
     if len(text) > MAX_LITERAL_CHARS:
         raise ValueError(f"longer than {MAX_LITERAL_CHARS} characters")
     try:

@@ -236,6 +236,7 @@ def test_plain_literals_and_key_references_still_load(genuine, tmp_path):
     ("[].__class__", "Attribute"),
     ("[*range(3)]", "Starred"),
     ("x", "Name"),
+    (b"# coding: utf-7\n'+ACc-+AF8AXw-import+AF8AXw-('os')'", "bytes, not text"),  # eval() would decode utf-7
     ("[" * 5000 + "]" * 5000, "not a Python literal|nested too deeply"),
     ("-" * 50000 + "1", "not a Python literal|nested too deeply"),
 ])
