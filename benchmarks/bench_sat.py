@@ -525,6 +525,7 @@ def main(argv=None):
             r = results[c.name]
             r[f"{mode}_b1_speedup_by_len"] = {b: {"sentences": v[0], "speedup": v[2] / v[1]} for b, v in buckets.items()}
             r[f"{mode}_b1_ms"] = 1000 * tot[j] / len(samples)
+            r[f"{mode}_b1_ms_per_sentence"] = [1000 * dt for _, dt in per_sentence[j]]
             r[f"{mode}_b1_len"] = toks[j] / len(samples)
             if calls[j]:
                 r[f"{mode}_b1_calls"] = calls[j] / len(samples)
@@ -624,17 +625,24 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
     print()
 
     # speed-ups over each family's own K=1 (float 3+3 = the targets; 6+1; each int8 variant)
-    def speedups(family):
+    def speedups(family, spread=None):
         k1 = next((c for c in cs if c.family == family and c.K == 1 and c.name.startswith("ours")), None)
         if k1 is None:
             return {}
         out = {}
         for mode in ("greedy", "beam4"):
-            out[mode] = {str(c.K): results[k1.name][f"{mode}_b1_ms"] / results[c.name][f"{mode}_b1_ms"]
-                         for c in cs if c.family == family and c.K > 1 and c.name.startswith("ours")}
+            sats = [c for c in cs if c.family == family and c.K > 1 and c.name.startswith("ours")]
+            out[mode] = {str(c.K): results[k1.name][f"{mode}_b1_ms"] / results[c.name][f"{mode}_b1_ms"] for c in sats}
+            if spread is not None:  # the same ratio sentence by sentence: 10th, 50th and 90th percentile
+                for c in sats:
+                    per = sorted(a / b for a, b in zip(results[k1.name][f"{mode}_b1_ms_per_sentence"],
+                                                       results[c.name][f"{mode}_b1_ms_per_sentence"]))
+                    q = [per[min(len(per) - 1, int(f * len(per)))] for f in (0.1, 0.5, 0.9)]
+                    spread.setdefault(family, {}).setdefault(mode, {})[str(c.K)] = q
         return out
 
-    by_family = {f: speedups(f) for f in dict.fromkeys(c.family for c in cs) if f not in ("ct2", "@rev")}
+    spread = {}
+    by_family = {f: speedups(f, spread) for f in dict.fromkeys(c.family for c in cs) if f not in ("ct2", "@rev")}
     ok = True
     for fam, sp in by_family.items():
         label = "float 3+3" if fam == "" else fam
@@ -646,8 +654,10 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
                 met = got >= target
                 if fam == "":
                     ok &= met
+                q = spread[fam][mode][str(K)]
                 print(f"target {mode} batch-1 speed-up K={K} ({label}, over its own K=1): >= {target}x, "
-                      f"measured {got:.2f}x  {'ok' if met else 'BELOW TARGET'}")
+                      f"measured {got:.2f}x (sentence by sentence: median {q[1]:.2f}x, 10-90% {q[0]:.2f}-"
+                      f"{q[2]:.2f}x)  {'ok' if met else 'BELOW TARGET'}")
     checks = {}
     fs = results["fairseq SequenceGenerator (transformer)"]
     for mode in ("greedy", "beam4"):
@@ -678,6 +688,8 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
         with open(args.json, "w") as f:
             json.dump({"speedup_vs_k1": by_family.get("", {}),
                        "speedup_vs_k1_by_family": {("3+3" if k == "" else k): v for k, v in by_family.items()},
+                       "speedup_vs_k1_per_sentence_p10_p50_p90": {("3+3" if k == "" else k): v
+                                                                  for k, v in spread.items()},
                        "ms_per_sentence": {c.name: {m: results[c.name][f"{m}_b1_ms"] for m in ("greedy", "beam4")}
                                            for c in cs},
                        "targets": {m: {str(k): v for k, v in t.items()} for m, t in CPU_TARGETS.items()},

@@ -55,6 +55,11 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
         assert set(sp[mode]) == {"2", "4", "6"}
         for k, v in sp[mode].items():
             assert v == pytest.approx(ms["ours K=1 (transformer)"][mode] / ms[f"ours SAT K={k}"][mode])
+    spread = res["speedup_vs_k1_per_sentence_p10_p50_p90"]["3+3"]
+    for mode in ("greedy", "beam4"):
+        for k in ("2", "4", "6"):
+            p10, p50, p90 = spread[mode][k]
+            assert 0 < p10 <= p50 <= p90
     assert res["targets"]["greedy"] == {"2": 1.5, "4": 2.7, "6": 3.4}
     assert res["targets"]["beam4"] == {"2": 1.8, "4": 3.0, "6": 3.6}
     # every contender decoded exactly N words + EOS in both modes (the lengths are forced for all)
