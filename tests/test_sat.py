@@ -24,7 +24,7 @@ from fairseq_ext.sat.model import SATModel, relaxed_causal_mask, sat_decoder_inp
 from tests.builders import SAT_DICT as DICT
 from tests.builders import SatTask as _Task
 from tests.builders import sat_args as _args
-from tests.builders import sat_model, sat_sample as _sample
+from tests.builders import sat_dictionary, sat_model, sat_sample as _sample
 from tests.helpers import (
     ROOT,
     assert_close,
@@ -36,6 +36,9 @@ from tests.helpers import (
     run_module,
     train_translation_model,
 )
+
+# tiny in-process models: one intra-op thread (two threads fight over the shared 2-core machine)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # --------------------------------------------------------------------------------------------------------
 # tiny random models
@@ -280,24 +283,142 @@ def _reference_search(model, src, src_lengths, beam, max_len, min_len=1, lenpen=
     return results
 
 
-@pytest.mark.parametrize("K,beam,lenpen", [(2, 3, 1.0), (3, 2, 0.6), (2, 4, 1.4), (4, 3, 1.0)])
-def test_group_beam_search_equals_slow_reference(K, beam, lenpen):
+TINY_DICT = sat_dictionary(2)  # 6 symbols: <s> <pad> </s> <unk> a b
+
+
+class _TinyTask:
+    source_dictionary = TINY_DICT
+    target_dictionary = TINY_DICT
+
+
+def _tiny_sat(K, seed):
+    torch.manual_seed(seed)
+    m = SATModel.build_model(_args("sat_transformer", K), _TinyTask()).eval()
+    with torch.no_grad():  # hypotheses of several lengths, and EOS inside groups
+        m.decoder.output_projection.weight.mul_(3.0)
+        m.decoder.output_projection.weight[TINY_DICT.eos()] *= 0.5
+    return m
+
+
+def _brute_force_group_search(model, src, src_lengths, K, beam, max_len, min_len, lenpen, unkpen):
+    """The group beam search of fairseq_ext.sat.generator by enumeration, one sentence at a time: for every
+    hypothesis, the K distributions of its next group come from a full forward pass (no cache); every
+    K-word continuation (and every hypothesis ending at position j of the group) is enumerated. Position j of a
+    group: the hypotheses ending at j compete with all non-EOS prefixes of length j+1 (all parents); those in
+    the top `beam` are finalised (fairseq's rule at every step); the next hypotheses are the top `beam` K-word
+    continuations of all parents."""
+    import itertools
+
+    d = model.decoder.dictionary
+    eos, pad, unk, V = d.eos(), d.pad(), d.unk(), len(d)
+    words = [v for v in range(V) if v != eos]
+    results = []
+    for b in range(src.size(0)):
+        s = src[b: b + 1, int(src[b].eq(pad).sum()):]
+        hyps = [([], 0.0, [])]  # words, score, cumulative scores
+        finalized = []
+        step = 0
+        while True:
+            # the K distributions of each hypothesis' next group: outputs step..step+K-1 of a full pass, which
+            # see the decoder inputs up to y_step only (relaxed mask); the K-1 filler words are cut away
+            prev = torch.tensor([[eos] + toks + [eos] * K for toks, _, _ in hyps])[:, : step + K]
+            out, _ = model(s.expand(len(hyps), -1), src_lengths[b: b + 1].expand(len(hyps)), prev)
+            lp = model.get_normalized_probs((out, None), log_probs=True)[:, step: step + K].clone()
+            lp[:, :, pad] = -math.inf
+            lp[:, :, unk] -= unkpen
+            for k in range(K):
+                if step + k >= max_len:
+                    keep = lp[:, k, eos].clone()
+                    lp[:, k] = -math.inf
+                    lp[:, k, eos] = keep
+                if step + k < min_len:
+                    lp[:, k, eos] = -math.inf
+            lp = lp.tolist()
+
+            def extend(h, seq):
+                toks, score, cums = hyps[h]
+                cums = list(cums)
+                for k, v in enumerate(seq):
+                    score = score + lp[h][k][v]
+                    cums.append(score)
+                return toks + list(seq), score, cums
+
+            done = False
+            for j in range(min(K, max_len - step + 1)):
+                ending = [extend(h, p + (eos,)) for h in range(len(hyps)) for p in itertools.product(words, repeat=j)]
+                ending = [(e, True) for e in ending]
+                prefixes = [(extend(h, p), False) for h in range(len(hyps))
+                            for p in itertools.product(words, repeat=j + 1)]
+                ranked = sorted(ending + prefixes, key=lambda c: -c[0][1])[:beam]
+                for (toks, score, cums), ends in ranked:
+                    if ends and score != -math.inf and len(finalized) < beam:
+                        finalized.append((toks, score / len(toks) ** lenpen, cums))
+                if len(finalized) >= beam:
+                    done = True
+                    break
+            if done or step + K > max_len:
+                break
+            conts = [extend(h, p) for h in range(len(hyps)) for p in itertools.product(words, repeat=K)]
+            hyps = sorted(conts, key=lambda c: -c[1])[:beam]
+            step += K
+        finalized.sort(key=lambda f: -f[1])
+        results.append(finalized)
+    return results
+
+
+def _tiny_batch(bsz, seed):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(TINY_DICT.nspecial, len(TINY_DICT), (bsz, 5), generator=g)
+    src[:, -1] = TINY_DICT.eos()
+    src_lengths = torch.full((bsz,), 5)
+    if bsz > 1:
+        src[-1, :2] = TINY_DICT.pad()
+        src_lengths[-1] = 3
+    return src, src_lengths
+
+
+@pytest.mark.parametrize("K,beam", [(2, 2), (2, 3), (3, 2), (3, 3), (2, 1), (3, 1), (1, 3)])
+def test_group_beam_search_equals_brute_force_enumeration(K, beam):
+    """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
+    a group and rank in the top B at their length): equal to enumerating every continuation of every
+    hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop."""
+    checked_lengths = set()
+    for seed in range(4):
+        m = _tiny_sat(K, seed=100 * K + seed)
+        src, src_lengths = _tiny_batch(3, seed)
+        for lenpen, min_len, max_len in ((1.0, 1, 7), (0.6, 3, 8)):
+            gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, len_penalty=lenpen, max_len_a=0,
+                                       max_len_b=max_len, min_len=min_len, unk_penalty=0.3)
+            ours = gen.generate([m], _sample(src, src_lengths))
+            ref = _brute_force_group_search(m, src, src_lengths, K, beam, max_len, min_len, lenpen, 0.3)
+            for s, (hs, rs) in enumerate(zip(ours, ref)):
+                what = f"K={K} beam={beam} seed={seed} lenpen={lenpen} sentence {s}"
+                assert len(hs) == len(rs), what
+                for h, (toks, score, cums) in zip(hs, rs):
+                    assert h["tokens"].tolist() == toks, what
+                    assert abs(float(h["score"]) - score) < 1e-4, what
+                    pos = torch.tensor(cums)
+                    pos[1:] = pos[1:] - pos[:-1].clone()
+                    assert_close(h["positional_scores"], pos.float(), 1e-4, what)
+                    checked_lengths.add(len(toks) % max(K, 2))
+    assert len(checked_lengths) > 1  # hypotheses ending at different positions of a group were compared
+
+
+@pytest.mark.parametrize("K,beam", [(2, 3), (3, 2), (4, 4), (1, 4), (3, 1)])
+def test_batch_equals_one_sentence_at_a_time(K, beam):
     m = sat_model(K, seed=K)
-    src, src_lengths, _, _ = _batch(bsz=3, src_len=6, seed=K)
-    max_len, min_len = 9, 2
-    gen = _gen([m], beam_size=beam, len_penalty=lenpen, max_len_a=0, max_len_b=max_len, min_len=min_len,
-               unk_penalty=0.5)
-    ours = gen.generate([m], _sample(src, src_lengths))
-    ref = _reference_search(m, src, src_lengths, beam, max_len, min_len, lenpen, unkpen=0.5)
-    for s, (hs, rs) in enumerate(zip(ours, ref)):
-        assert len(hs) == len(rs) == beam
-        for h, (toks, score, pos) in zip(hs, rs):
-            assert h["tokens"].tolist() == toks, f"sentence {s}"
-            assert abs(float(h["score"]) - float(score)) < 1e-4, f"sentence {s}"
-            assert_close(h["positional_scores"], torch.stack(pos), 1e-4, f"sentence {s}")
-    # one decoder call per group of the longest finished hypothesis
-    longest = max(len(h["tokens"]) for hs in ours for h in hs)
-    assert gen.decoder_calls == math.ceil(longest / K)
+    src, src_lengths, _, _ = _batch(bsz=4, src_len=6, seed=K)
+    gen = _gen([m], beam_size=beam, len_penalty=0.8, max_len_a=0, max_len_b=9, min_len=2, unk_penalty=0.5)
+    batch = gen.generate([m], _sample(src, src_lengths))
+    calls = gen.decoder_calls
+    longest = 0
+    for b in range(src.size(0)):
+        n_pad = int(src[b].eq(DICT.pad()).sum())
+        one = gen.generate([m], _sample(src[b: b + 1, n_pad:], src_lengths[b: b + 1]))
+        _same_hypos(one, batch[b: b + 1], f"K={K} beam={beam} sentence {b}", atol=1e-5)
+        longest = max(longest, max(len(h["tokens"]) for h in one[0]))
+    # one decoder call per group: the batch runs until its longest finalised hypothesis
+    assert calls <= math.ceil(longest / K) and calls >= 1
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
@@ -307,10 +428,10 @@ def test_greedy_k_words_per_call(K):
     opts = dict(beam_size=1, len_penalty=1.3, max_len_a=1.0, max_len_b=5, min_len=3, unk_penalty=0.2)
     fast = _gen([m], **opts)
     ours = fast.generate([m], _sample(src, src_lengths))
-    # the same search through fairseq's token-level loop with cached group distributions
-    slow = _gen([m], greedy_fast_path=False, **opts)
-    assert fast.greedy_fast_path and not slow.greedy_fast_path
-    _same_hypos(ours, slow.generate([m], _sample(src, src_lengths)), f"greedy K={K}", attention=True)
+    # the same search through the group beam search with B = 1
+    with torch.inference_mode():
+        group = fast._group_beam_search(_sample(src, src_lengths))
+    _same_hypos(ours, group, f"greedy K={K}", attention=True)
     # and the argmax of full forward passes
     ref = _reference_search(m, src, src_lengths, 1, max_len=int(1.0 * src.size(1) + 5), min_len=3,
                             lenpen=1.3, unkpen=0.2)
@@ -348,6 +469,20 @@ def test_misuse_fails_clearly():
         SATModel.build_model(_args("sat_transformer", 0), _Task())
     with pytest.raises(FairseqExtError, match="--prefix-size"):
         _gen([m], beam_size=2).generate([m], _sample(src, src_lengths), prefix_tokens=src[:, :1])
+    with pytest.raises(FairseqExtError, match="--match-source-len"):
+        _gen([m], beam_size=2, match_source_len=True)
+    with pytest.raises(FairseqExtError, match="--no-repeat-ngram-size"):
+        _gen([m], beam_size=2, no_repeat_ngram_size=2)
+
+
+def test_k1_no_repeat_ngram_equals_fairseq():
+    sat = sat_model(1)
+    ref = transformer_with_weights_of(sat)
+    src, src_lengths, _, _ = _batch(bsz=3, src_len=6)
+    opts = dict(beam_size=3, max_len_a=0, max_len_b=10, min_len=6, no_repeat_ngram_size=2)
+    ours = _gen([sat], **opts).generate([sat], _sample(src, src_lengths))
+    theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], _sample(src, src_lengths))
+    _same_hypos(ours, theirs, "no-repeat-ngram 2")  # fairseq's blocker on fairseq's token buffer
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -385,9 +520,13 @@ def test_cli_train_init_from_transformer_and_eval_bleu(trained):
 
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task([trained["sat"]])
     assert models[0].sat_group_size == 2 and type(models[0]) is SATModel
+    # the checkpoint records where the weights came from, but does not ask for an initialisation any more
+    assert cfg.model.sat_init_from is None and cfg.model.sat_initialised_from == trained["teacher"]
     teacher = checkpoint_utils.load_checkpoint_to_cpu(trained["teacher"])["model"]
     # rebuild the untrained student: encoder, embeddings and softmax come from the teacher, decoder is new
+    cfg.model.restore_file = None  # a new training (the saved options name the run's checkpoint_last.pt)
     for with_decoder in (False, True):
+        cfg.model.sat_init_from = trained["teacher"]
         cfg.model.sat_init_decoder = with_decoder
         fresh = task.build_model(cfg.model).state_dict()
         for k, v in fresh.items():
@@ -399,8 +538,12 @@ def test_cli_train_init_from_transformer_and_eval_bleu(trained):
     # a checkpoint is rebuilt without reading --sat-init-from again (the file may be gone)
     cfg.model.sat_init_from = "/nonexistent/teacher.pt"
     task.build_model(cfg.model, from_checkpoint=True)
+    cfg.model.sat_init_from = "/nonexistent/teacher.pt"
     with pytest.raises(FairseqExtError, match="--sat-init-from /nonexistent/teacher.pt"):
         task.build_model(cfg.model)
+    # nor when fairseq-train is about to restore a checkpoint (--restore-file that exists)
+    cfg.model.sat_init_from, cfg.model.restore_file = "/nonexistent/teacher.pt", trained["sat"]
+    task.build_model(cfg.model)
     # unsupported generation options fail clearly
     for flag, value in (("sampling", True), ("prefix_size", 1), ("diverse_beam_groups", 2)):
         gen_args = argparse.Namespace(beam=2, **{flag: value})
@@ -438,6 +581,57 @@ def test_cli_generate_and_interactive(trained):
         "--beam", "2", "--gen-subset", "valid", "--num-workers", "0"], check=False)
     assert bad.returncode != 0
     assert "--task translation_sat" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_cli_k1_generate_equals_fairseq(trained):
+    """K = 1 (the teacher, a fairseq transformer) through fairseq-generate: --task translation_sat gives
+    fairseq's hypotheses and scores, greedy and beam."""
+    d = trained["data"]
+    for beam in ("1", "3"):
+        common = [d, "--path", trained["teacher"], "--user-dir", os.path.join(ROOT, "fairseq_ext"), "--beam", beam,
+                  "--lenpen", "0.7", "--min-len", "2", "--batch-size", "16", "--gen-subset", "valid",
+                  "--max-len-b", "8", "--num-workers", "0"]
+        ours = hypotheses(run_cli("generate", common + ["--task", "translation_sat"]).stdout)
+        theirs = hypotheses(run_cli("generate", common + ["--task", "translation"]).stdout)
+        assert len(ours) == len(theirs) == 80
+        for i, (score, text) in theirs.items():
+            assert ours[i][1] == text, (beam, i)
+            assert abs(ours[i][0] - score) < 1e-5, (beam, i)
+
+
+@pytest.mark.slow
+def test_cli_translation_task_checkpoint_needs_no_teacher(trained, tmp_path):
+    """Issue 15.4 (review BUG 1): a SAT trained with --task translation --sat-init-from T is loaded by the hub,
+    fairseq-validate and fairseq-generate, and its training resumes, after T is deleted."""
+    import shutil
+
+    from tests.helpers import train_args
+
+    d = trained["data"]
+    teacher = str(tmp_path / "teacher_tmp.pt")
+    shutil.copy(trained["teacher"], teacher)
+    save = str(tmp_path / "sat_tr")
+    flags = TINY + ["--save-dir", save, "--sat-group-size", "2", "--sat-init-from", teacher]
+    proc = train_translation_model(d, "sat_transformer", flags, task="translation")
+    assert "sat_transformer: initialised" in proc.stdout + proc.stderr
+    os.remove(teacher)
+    ckpt = os.path.join(save, "checkpoint_last.pt")
+    user_dir = os.path.join(ROOT, "fairseq_ext")
+
+    hub = SATModel.from_pretrained(save, checkpoint_file="checkpoint_last.pt", data_name_or_path=d)
+    assert isinstance(hub.translate("h e l l o", beam=2, max_len_b=6), str)
+    run_cli("validate", [d, "--task", "translation", "--path", ckpt, "--user-dir", user_dir, "--valid-subset", "valid",
+                         "--max-tokens", "500", "--num-workers", "0"])
+    gen = run_cli("generate", [d, "--task", "translation_sat", "--path", ckpt, "--user-dir", user_dir, "--beam", "2",
+                               "--gen-subset", "valid", "--max-len-b", "5", "--num-workers", "0"]).stdout
+    assert len(hypotheses(gen)) == 80
+    # resume: the same training command, whose --sat-init-from file is gone, for one more epoch
+    proc = run_cli("train", train_args(d, "sat_transformer", flags, "translation", max_epoch=2))
+    log = proc.stdout + proc.stderr
+    assert re.search(r"Loaded checkpoint \S*checkpoint_last\.pt", log), log[-3000:]
+    assert os.path.exists(os.path.join(save, "checkpoint2.pt"))
+    assert "sat_transformer: initialised" not in log
 
 
 def test_hub_interface(trained):

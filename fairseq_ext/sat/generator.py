@@ -1,17 +1,34 @@
 """Semi-autoregressive sequence generation for :mod:`fairseq_ext.sat.model` (Wang et al. 2018).
 
 One decoder call per group of K positions (Sec. 3; Table 1: the decoder cost per sentence drops from n to
-ceil(n/K) calls):
+ceil(n/K) calls). Under the model's group factorisation p(y|x) = prod_g p(G_g | G_<g, x) the K distributions of
+a group depend only on earlier groups, and the K words of a group are independent given them, so a K-word
+continuation c = (v_0..v_{K-1}) of a hypothesis h with cumulative score s(h) scores
+s(h) + sum_k lp_k(v_k | h).
 
-* ``--beam 1`` (greedy, the paper's fastest setting): each call yields K distributions and the K argmax
-  words are appended at once; a sentence stops at the first EOS inside a group and is cut there.
-* ``--beam B > 1``: exact group beam search (as in the authors' sa-nmt ``beam_search``). The per-position
-  distributions of a group depend only on earlier groups, so one decoder call gives the K distributions of
-  every hypothesis and K ordinary token-level beam steps reuse them. fairseq's ``SequenceGenerator._generate``
-  runs those token-level steps unchanged (2B candidates, EOS handling, --lenpen, --min-len, --max-len-a/b,
-  --unkpen, --nbest, attention); :class:`SATEnsembleModel` serves it the cached distribution of each step,
-  composes the beam origins it is told (``reorder_incremental_state``) and reorders the decoder state by the
-  composed order once, before the next call. With K = 1 this is exactly fairseq's beam search.
+* ``--beam B`` (:meth:`SATSequenceGenerator._group_beam_search`, B = 1 included; ``--beam 1`` uses the
+  equivalent, leaner :meth:`SATSequenceGenerator._greedy_search`): one vectorised step per group keeps the
+  **exact top B K-word continuations** over all continuations of all B hypotheses of a sentence (not a
+  token-level beam that prunes on partial group scores). A hypothesis may end inside a group: ending at
+  position j (words v_0..v_{j-1}, none of them EOS, then EOS at j) it scores s(h) + sum_{k<=j} lp_k. It is
+  finalised, as fairseq does at every step, when it is among the top B of all candidates of its length, i.e.
+  of the hypotheses that end at j and the (non-EOS) prefixes v_0..v_j, over all parents; positions are taken
+  in order and a sentence is done once B hypotheses are finalised or at --max-len. Scores are normalised by
+  length ** --lenpen when finalised; --min-len, --max-len-a/b, --unkpen, --nbest, --temperature and
+  attention (--print-alignment) as in fairseq. With K = 1 this is fairseq's beam search; with B = 1 it is
+  greedy search that stops at the first EOS of a group.
+
+  Why the per-position top B suffice (exactness). Let L_k be the B best non-EOS words at position k. (i) A
+  continuation c in the top B of its parent uses only words of L_k at every position k: if c_k were not in
+  L_k, replacing c_k by each of the B words of L_k would give B other continuations of the same parent,
+  each scoring >= c (the score is a sum over positions, and every word of L_k scores >= c_k at k), so c
+  would not be needed in a top B. (ii) The same argument on prefixes: the top B prefixes of length j+1 are
+  extensions of the top B prefixes of length j by words of L_j, so pruning the B x B sums to the best B
+  after each position is exact (a prefix outside the top B at length j has B better ones, and extending
+  each of them by the same later words keeps them better). (iii) Globally, the top B of a sentence over all
+  parents is contained in the union of the parents' top B: a continuation outside its parent's top B has B
+  better ones. The hypotheses that end at j extend the top B prefixes of length j by EOS, so they are exact
+  too. ``tests/test_sat.py`` checks this against brute-force enumeration of every continuation.
 
 A plain fairseq ``transformer`` is decoded as K = 1.
 """
@@ -35,9 +52,8 @@ from fairseq_ext.sat.model import group_size
 
 
 class SATEnsembleModel(EnsembleModelWithAlignment):
-    """fairseq's model wrapper for one SAT model: :meth:`decode_group` runs the decoder on the K new
-    positions; :meth:`forward_decoder` (the token-level interface of ``SequenceGenerator``) calls it only
-    at the first step of each group and serves the cached distributions for the other K-1 steps."""
+    """fairseq's model wrapper for one SAT model; :meth:`decode_group` runs the decoder on the K new
+    positions of every hypothesis (one call per group)."""
 
     def __init__(self, models):
         if len(models) != 1:
@@ -47,179 +63,289 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         super().__init__(models)
         self.group_size = group_size(models[0])
         self.decoder_calls = 0
-        self._group_lprobs: Optional[Tensor] = None  # [N at the last call, K, V]
-        self._group_attn: Optional[Tensor] = None  # [N at the last call, K, src_len]
-        self._order: Optional[Tensor] = None  # current row -> row at the last decoder call (composed)
 
-    def decode_group(self, tokens, encoder_out, incremental_state, temperature: float = 1.0):
-        """tokens: [N, n] = BOS and the n-1 words generated so far, n-1 a multiple of K. Returns the
-        log-probabilities [N, K, V] of the next K words and the attention [N, K, src_len] (or None)."""
-        model = self.single_model
+    def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
+        """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
+        multiple of K), a view of the search's buffer: the decoder embeds only its K uncached positions.
+        Returns the log-probabilities [N, K, V] of the next K words and the attention [N, K, src_len] or None."""
         K = self.group_size
-        if K > 1:  # K start symbols (Sec. 3.2): the decoder input is [<s>]*K + y
-            start = getattr(model.decoder, "start_symbol", None)
-            start = int(tokens[0, 0]) if start is None else start
-            tokens = torch.cat([tokens.new_full((tokens.size(0), K - 1), start), tokens], dim=1)
         self.decoder_calls += 1
-        x, extra = model.decoder.forward(tokens, encoder_out=encoder_out, incremental_state=incremental_state)
-        x = x[:, -K:, :]
+        x, extra = self.single_model.decoder.forward(
+            decoder_input, encoder_out=encoder_out, incremental_state=incremental_state)
+        if x.size(1) != K:
+            x = x[:, -K:, :]
         if temperature != 1.0:
             x = x.div_(temperature)
-        lprobs = model.get_normalized_probs((x, extra), log_probs=True, sample=None)
+        lprobs = self.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None)
         attn = extra["attn"][0] if isinstance(extra, dict) and extra.get("attn") else None
-        if attn is not None:
+        if attn is not None and attn.size(1) != K:
             attn = attn[:, -K:, :]
         return lprobs, attn
 
-    def forward_decoder(self, tokens, encoder_outs, incremental_states, temperature: float = 1.0):
-        step = tokens.size(1) - 1
-        k = step % self.group_size
-        if k == 0:
-            if self._order is not None:
-                self.single_model.decoder.reorder_incremental_state_scripting(incremental_states[0], self._order)
-            self._order = None
-            self._group_lprobs, self._group_attn = self.decode_group(
-                tokens, encoder_outs[0], incremental_states[0], temperature)
-        assert self._group_lprobs is not None
-        lprobs = self._group_lprobs[:, k]
-        attn = self._group_attn[:, k] if self._group_attn is not None else None
-        if self._order is not None:
-            lprobs = lprobs.index_select(0, self._order)
-            attn = attn.index_select(0, self._order) if attn is not None else None
-        return lprobs.contiguous(), attn
 
-    def reorder_incremental_state(self, incremental_states, new_order):
-        # compose the beam origins of the token-level steps; the decoder state is reordered once per group
-        self._order = new_order if self._order is None else self._order.index_select(0, new_order)
+class _GroupSearch(SequenceGenerator):
+    """The group-level searches; ``SequenceGeneratorWithAlignment.generate`` reaches :meth:`_generate` through
+    ``super()`` (see the class order of :class:`SATSequenceGenerator`), so --print-alignment uses them too."""
+
+    def _generate(self, sample, prefix_tokens=None, constraints=None, bos_token=None):
+        if prefix_tokens is not None:
+            raise FairseqExtError("translation_sat does not support --prefix-size (prefix tokens)")
+        if constraints is not None:
+            raise FairseqExtError("translation_sat does not support --constraints")
+        if self.beam_size == 1 and self.repeat_ngram_blocker is None:
+            return self._greedy_search(sample, bos_token)
+        return self._group_beam_search(sample, bos_token)
+
+    # -- shared pieces ------------------------------------------------------------------------------------
+    def _start(self, sample, bos_token):
+        net_input = sample["net_input"]
+        src_tokens = net_input["src_tokens"]
+        bsz, src_len = src_tokens.size()[:2]
+        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
+        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
+        K = self.group_size
+        n_steps = (max_len + 1 + K - 1) // K * K  # positions 0..max_len, rounded up to whole groups
+        # the SAT decoder input of every row: K-1 start symbols, BOS, then the words; tokens[:, K-1:] is
+        # fairseq's layout (BOS + words), tokens[:, K:] the hypothesis
+        tokens = src_tokens.new_full((bsz, K + n_steps), self.pad)
+        start = getattr(self.model.single_model.decoder, "start_symbol", None)
+        bos = self.eos if bos_token is None else bos_token
+        tokens[:, : K - 1] = bos if start is None else start
+        tokens[:, K - 1] = bos
+        encoder_outs = self.model.forward_encoder(net_input)
+        return bsz, src_len, max_len, n_steps, tokens, encoder_outs
+
+    def _constrain(self, lprobs: Tensor, step: int, max_len: int) -> Tensor:
+        """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1."""
+        lprobs = lprobs.float() if lprobs.dtype != torch.float else lprobs
+        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+        lprobs[:, :, self.pad] = -math.inf
+        if self.unk_penalty != 0:
+            lprobs[:, :, self.unk] -= self.unk_penalty
+        for k in range(lprobs.size(1)):
+            t = step + k
+            if t >= max_len:  # only EOS
+                lprobs[:, k, : self.eos] = -math.inf
+                lprobs[:, k, self.eos + 1:] = -math.inf
+            if t < self.min_len:
+                lprobs[:, k, self.eos] = -math.inf
+        if self.token_indices_to_suppress is not None:
+            lprobs[:, :, self.token_indices_to_suppress] = -math.inf
+        return lprobs
+
+    def _hypothesis(self, tokens: Tensor, cum: Tensor, attn: Optional[Tensor]) -> Dict[str, Tensor]:
+        """A finished hypothesis from its words (ending in EOS), cumulative scores per position (as fairseq
+        keeps them; the positional scores are their differences) and attention [src_len, len] or None."""
+        length = tokens.numel()
+        pos = cum.clone()
+        pos[1:] = cum[1:] - cum[:-1]
+        score = cum[-1]
+        if self.normalize_scores:
+            score = score / length ** self.len_penalty
+        return {"tokens": tokens, "score": score, "attention": attn if attn is not None else torch.empty(0),
+                "alignment": torch.empty(0), "positional_scores": pos}
+
+    @staticmethod
+    def _sorted(finalized):
+        return [sorted(hs, key=lambda h: -float(h["score"])) for hs in finalized]
+
+    # -- greedy: K argmax words per call ---------------------------------------------------------------------
+    def _greedy_search(self, sample, bos_token: Optional[int] = None):
+        """The group search with B = 1: the K argmax words per decoder call, cut at the first EOS of the group
+        (a word that ends the hypothesis at j is kept when EOS is the argmax at j). One host read per group."""
+        K = self.group_size
+        bsz, src_len, max_len, n_steps, tokens, encoder_outs = self._start(sample, bos_token)
+        state: Dict[str, Dict[str, Optional[Tensor]]] = {}
+        cum = torch.zeros(bsz, n_steps, dtype=torch.float, device=tokens.device)
+        attn: Optional[Tensor] = None
+        alive: List[int] = list(range(bsz))  # row -> sentence
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
+        k_index = torch.arange(K, device=tokens.device)
+        for step in range(0, n_steps, K):
+            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
+                                                         self.temperature)
+            lprobs = self._constrain(lprobs, step, max_len)
+            best_lp, best = lprobs.max(dim=-1)  # [n, K]
+            tokens[:, K + step: 2 * K + step] = best
+            for k in range(K):  # cumulative scores, summed one position at a time as fairseq does
+                t = step + k
+                cum[:, t] = best_lp[:, k] if t == 0 else cum[:, t - 1] + best_lp[:, k]
+            if group_attn is not None:
+                if attn is None:
+                    attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
+                attn[:, :, step: step + K] = group_attn.transpose(1, 2)
+            # the first EOS of each row's group, K if none: the only host read of the step
+            first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
+            ends = first_eos.tolist()
+            done = [row for row, j in enumerate(ends) if j < K]
+            if not done:
+                continue
+            for row in done:
+                length = step + ends[row] + 1
+                finalized[alive[row]].append(self._hypothesis(
+                    tokens[row, K: K + length].clone(), cum[row, :length],
+                    attn[row, :, :length].clone() if attn is not None else None))
+            keep_rows = [row for row, j in enumerate(ends) if j == K]
+            if not keep_rows:
+                break
+            keep = torch.tensor(keep_rows, device=tokens.device)
+            alive = [alive[row] for row in keep_rows]
+            tokens, cum = tokens.index_select(0, keep), cum.index_select(0, keep)
+            if attn is not None:
+                attn = attn.index_select(0, keep)
+            self.model.single_model.decoder.reorder_incremental_state_scripting(state, keep)
+            encoder_outs = self.model.reorder_encoder_out(encoder_outs, keep)
+        return finalized
+
+    # -- exact group beam search ---------------------------------------------------------------------------
+    def _group_beam_search(self, sample, bos_token: Optional[int] = None):
+        """One vectorised step per group (see the module docstring for the rule and the proof of exactness).
+        Rows are ``sentence * P + parent``; P = 1 at the first group (every hypothesis is the empty one), then B.
+        """
+        K, B, eos = self.group_size, self.beam_size, self.eos
+        bsz, src_len, max_len, n_steps, tokens, encoder_outs = self._start(sample, bos_token)
+        dev = tokens.device
+        state: Dict[str, Dict[str, Optional[Tensor]]] = {}
+        cum = torch.zeros(bsz, n_steps, dtype=torch.float, device=dev)  # cumulative score at each position
+        scores = torch.zeros(bsz, dtype=torch.float, device=dev)  # s(h) of each row
+        attn: Optional[Tensor] = None
+        sents: List[int] = list(range(bsz))  # sentence of each block of P rows
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
+        P = 1
+        for step in range(0, n_steps, K):
+            n = len(sents)
+            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
+                                                         self.temperature)
+            lprobs = self._constrain(lprobs, step, max_len)  # [n*P, K, V]
+            if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
+                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+            if group_attn is not None and attn is None:
+                attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
+            last = min(K - 1, max_len - step)  # positions after --max-len are never reached
+            eos_lp = lprobs[:, :, eos].clone()  # [N, K]
+            lprobs[:, :, eos] = -math.inf
+            vals, words = lprobs.topk(B, dim=-1)  # per position, the B best non-EOS words: [N, K, B]
+
+            # top-B prefixes of every length, built position by position (exact, see the docstring)
+            pre_cum = (scores.unsqueeze(1) + vals[:, 0]).unsqueeze(2)  # [N, B, 1]
+            pre_words = words[:, 0].unsqueeze(2)  # [N, B, 1]
+            ended = []  # per position j: (cumulative scores [N, F, j+1], words [N, F, j]) of hypotheses ending at j
+            ranked = []  # per position j: top B (score, index) per sentence over the ending ones and the prefixes
+            for j in range(last + 1):
+                if j == 0:
+                    end_cum = (scores + eos_lp[:, 0]).view(-1, 1, 1)
+                    end_words = pre_words[:, :1, :0]
+                else:
+                    end_cum = torch.cat([prev_cum, (prev_cum[:, :, -1] + eos_lp[:, j: j + 1]).unsqueeze(2)], 2)
+                    end_words = prev_words
+                    # the B x B sums of the top-B prefixes of length j and the B best words at j -> best B
+                    ext = prev_cum[:, :, -1:] + vals[:, j].unsqueeze(1)  # [N, B, B]
+                    top, flat = ext.reshape(ext.size(0), -1).topk(B, dim=1)
+                    parent = torch.div(flat, B, rounding_mode="floor").unsqueeze(2).expand(-1, -1, j)
+                    pre_cum = torch.cat([prev_cum.gather(1, parent), top.unsqueeze(2)], 2)
+                    pre_words = torch.cat([prev_words.gather(1, parent),
+                                           words[:, j].gather(1, flat % B).unsqueeze(2)], 2)
+                F = end_cum.size(1)
+                both = torch.cat([end_cum[:, :, -1].reshape(n, P * F), pre_cum[:, :, -1].reshape(n, P * B)], 1)
+                top_sc, top_i = both.topk(B, dim=1)
+                ranked.append((top_sc, top_i))
+                ended.append((end_cum, end_words))
+                prev_cum, prev_words = pre_cum, pre_words
+
+            # the host needs which hypotheses end (in rank order, per position): one read per group
+            fin = torch.stack([torch.where((top_i < e_cum.size(1) * P) & top_sc.ne(-math.inf), top_i, -1)
+                               for (top_sc, top_i), (e_cum, _) in zip(ranked, ended)])
+            fin_list = fin.tolist()  # [last+1, n, B]
+            done = [False] * n
+            for j in range(last + 1):
+                end_cum, end_words = ended[j]
+                F = end_cum.size(1)
+                for s in range(n):
+                    if done[s]:
+                        continue
+                    hyps = finalized[sents[s]]
+                    for c in fin_list[j][s]:
+                        if c < 0 or len(hyps) >= B:
+                            continue
+                        row, r = s * P + c // F, c % F
+                        words_ = torch.cat([tokens[row, K: K + step], end_words[row, r],
+                                            tokens.new_full((1,), eos)])
+                        cums = torch.cat([cum[row, :step], end_cum[row, r]])
+                        a = None
+                        if attn is not None:
+                            a = torch.cat([attn[row, :, :step], group_attn[row, : j + 1].transpose(0, 1).float()], 1)
+                        hyps.append(self._hypothesis(words_, cums, a))
+                    if len(hyps) >= B:
+                        done[s] = True
+            if step + K > max_len:  # the group reached --max-len: every sentence is done
+                break
+            keep_sents = [s for s in range(n) if not done[s]]
+            if not keep_sents:
+                break
+
+            # the next hypotheses: the exact top B K-word continuations of each remaining sentence
+            keep = torch.tensor(keep_sents, device=dev)
+            alive = pre_cum[:, :, -1].reshape(n, P * B).index_select(0, keep)
+            scores, sel = alive.topk(B, dim=1)  # [n', B]
+            rows = (keep.unsqueeze(1) * P + torch.div(sel, B, rounding_mode="floor")).view(-1)
+            cand = rows * B + sel.view(-1) % B  # index into the [N * B] continuations
+            tokens = tokens.index_select(0, rows)
+            tokens[:, K + step: 2 * K + step] = pre_words.reshape(-1, K).index_select(0, cand)
+            cum = cum.index_select(0, rows)
+            cum[:, step: step + K] = pre_cum.reshape(-1, K).index_select(0, cand)
+            if attn is not None:
+                attn = attn.index_select(0, rows)
+                attn[:, :, step: step + K] = group_attn.index_select(0, rows).transpose(1, 2)
+            scores = scores.view(-1)
+            sents = [sents[s] for s in keep_sents]
+            P = B
+            self.model.single_model.decoder.reorder_incremental_state_scripting(state, rows)
+            encoder_outs = self.model.reorder_encoder_out(encoder_outs, rows)
+        return self._sorted(finalized)
 
 
-class SATSequenceGenerator(SequenceGeneratorWithAlignment):
+class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     """Generator returned by ``--task translation_sat``: same constructor arguments and hypothesis
     dictionaries (tokens, score, positional_scores, attention, alignment) as fairseq's SequenceGenerator.
 
-    ``decoder_calls`` counts the decoder calls of the last :meth:`generate` (for tests and benchmarks)."""
+    ``decoder_calls`` counts the decoder calls of the last :meth:`generate` (for tests and benchmarks).
+    Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
+    group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
-    def __init__(self, models, tgt_dict, print_alignment=None, greedy_fast_path=True, **kwargs):
+    def __init__(self, models, tgt_dict, print_alignment=None, **kwargs):
+        if kwargs.get("match_source_len"):
+            raise FairseqExtError("--match-source-len is not supported by --task translation_sat; remove it")
         SequenceGenerator.__init__(self, SATEnsembleModel(models), tgt_dict, **kwargs)
         self.group_size = self.model.group_size
+        if self.repeat_ngram_blocker is not None and self.group_size > 1:
+            raise FairseqExtError(
+                f"--no-repeat-ngram-size is not supported by --task translation_sat with --sat-group-size "
+                f"{self.group_size} (the K words of a group are chosen at once); remove it")
+        if type(self.search) is not search.BeamSearch:
+            raise FairseqExtError("translation_sat supports beam search and greedy search only")
         self.left_pad_target = False
         self.print_alignment = print_alignment
         if print_alignment == "soft":
             self.extract_alignment = utils.extract_soft_alignment
         else:
             self.extract_alignment = utils.extract_hard_alignment
-        # the dedicated greedy loop serves --beam 1 unless a feature only the token-level loop has is on
-        self.greedy_fast_path = bool(
-            greedy_fast_path and self.beam_size == 1 and self.repeat_ngram_blocker is None
-            and self.lm_model is None and not self.match_source_len
-            and type(self.search) is search.BeamSearch
-        )
         self.decoder_calls = 0
 
-    @torch.no_grad()
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
         if kwargs.get("prefix_tokens") is not None:
             raise FairseqExtError("translation_sat does not support --prefix-size (prefix tokens)")
         if kwargs.get("constraints") is not None:
             raise FairseqExtError("translation_sat does not support --constraints")
         self.model.decoder_calls = 0
-        self.model._order = None
-        # the encoder-attention caches hold one row per sentence when beam > 1; set it for every call, as
-        # the same model may have been used by a generator with another beam size
-        if hasattr(self.model.single_model, "set_beam_size"):
-            self.model.single_model.set_beam_size(self.beam_size)
-        if self.print_alignment:
-            out = SequenceGeneratorWithAlignment.generate(self, models, sample, **kwargs)
-        else:
-            out = self._generate(sample, **kwargs)
+        with torch.inference_mode():
+            if self.print_alignment:  # fairseq's alignment code around our _generate
+                out = SequenceGeneratorWithAlignment.generate(self, models, sample, **kwargs)
+            else:
+                out = self._generate(sample, **kwargs)
         self.decoder_calls = self.model.decoder_calls
-        return out
-
-    def _generate(self, sample, prefix_tokens=None, constraints=None, bos_token=None):
-        if self.greedy_fast_path and prefix_tokens is None and constraints is None:
-            return self._generate_greedy(sample, bos_token)
-        return super()._generate(sample, prefix_tokens=prefix_tokens, constraints=constraints, bos_token=bos_token)
-
-    def _generate_greedy(self, sample, bos_token: Optional[int] = None):
-        """Greedy search, K argmax words per decoder call. Same scores and hypothesis layout as
-        fairseq's beam search with --beam 1 (cumulative scores, normalised by length ** lenpen)."""
-        K = self.group_size
-        net_input = sample["net_input"]
-        src_tokens = net_input["src_tokens"]
-        if "src_lengths" in net_input:
-            src_lengths = net_input["src_lengths"]
-        else:
-            src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
-        bsz, src_len = src_tokens.size()[:2]
-        max_len = min(int(self.max_len_a * src_len + self.max_len_b), self.max_len - 1)
-        assert self.min_len <= max_len, "min_len cannot be larger than max_len, please adjust these!"
-
-        encoder_outs = self.model.forward_encoder(net_input)
-        incremental_states = [{}]
-        n_steps = (max_len + 1 + K - 1) // K * K  # positions 0..max_len, rounded up to whole groups
-        tokens = src_tokens.new_full((bsz, n_steps + 1), self.pad)
-        tokens[:, 0] = self.eos if bos_token is None else bos_token
-        pos_scores = torch.zeros(bsz, n_steps, dtype=torch.float, device=src_tokens.device)
-        attn: Optional[Tensor] = None
-        alive = torch.arange(bsz, device=src_tokens.device)  # row -> sentence
-        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
-        step = 0
-        while alive.numel() > 0:
-            lprobs, group_attn = self.model.decode_group(
-                tokens[:, : step + 1], encoder_outs[0], incremental_states[0], self.temperature)
-            lprobs = lprobs.float()
-            lprobs[lprobs != lprobs] = -math.inf
-            lprobs[:, :, self.pad] = -math.inf
-            lprobs[:, :, self.unk] -= self.unk_penalty
-            for k in range(K):  # length constraints on target positions step..step+K-1
-                t = step + k
-                if t >= max_len:
-                    lprobs[:, k, : self.eos] = -math.inf
-                    lprobs[:, k, self.eos + 1:] = -math.inf
-                elif t < self.min_len:
-                    lprobs[:, k, self.eos] = -math.inf
-                if t < max_len and self.token_indices_to_suppress is not None:
-                    lprobs[:, k, self.token_indices_to_suppress] = -math.inf
-            best_lp, best = lprobs.max(dim=-1)  # [n, K]
-            tokens[:, step + 1: step + 1 + K] = best
-            pos_scores[:, step: step + K] = best_lp
-            if group_attn is not None:
-                if attn is None:
-                    attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=src_tokens.device)
-                attn[:, :, step: step + K] = group_attn.transpose(1, 2).float()
-
-            is_eos = best.eq(self.eos)
-            done = is_eos.any(dim=1)
-            if bool(done.any()):
-                first_eos = torch.where(is_eos, torch.arange(K, device=best.device), K).min(dim=1).values
-                for row in done.nonzero().view(-1).tolist():
-                    length = step + int(first_eos[row]) + 1
-                    cum = pos_scores[row, :length].cumsum(0)
-                    pos = cum.clone()
-                    pos[1:] = cum[1:] - cum[:-1]
-                    score = cum[-1]
-                    if self.normalize_scores:
-                        score = score / length ** self.len_penalty
-                    finalized[int(alive[row])].append({
-                        "tokens": tokens[row, 1: length + 1].clone(),
-                        "score": score,
-                        "attention": attn[row, :, :length].clone() if attn is not None else torch.empty(0),
-                        "alignment": torch.empty(0),
-                        "positional_scores": pos,
-                    })
-                keep = (~done).nonzero().view(-1)
-                if keep.numel() == 0:
-                    break
-                alive = alive.index_select(0, keep)
-                tokens = tokens.index_select(0, keep)
-                pos_scores = pos_scores.index_select(0, keep)
-                if attn is not None:
-                    attn = attn.index_select(0, keep)
-                self.model.single_model.decoder.reorder_incremental_state_scripting(incremental_states[0], keep)
-                encoder_outs = self.model.reorder_encoder_out(encoder_outs, keep)
-            step += K
-            assert step <= max_len + K, "greedy SAT search ran past --max-len (no EOS forced?)"
-        return finalized
+        # callers update the hypotheses in place (fairseq-generate divides positional_scores by log 2), which
+        # inference tensors do not allow outside inference mode: hand back ordinary copies
+        return [[{k: v.clone() if isinstance(v, Tensor) else v for k, v in h.items()} for h in hs] for hs in out]
 
 
 def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
@@ -239,6 +365,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         (bool(extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None), "--lm-path"),
         (seq_gen_cls is not None, "a custom seq_gen_cls"),
         (getattr(args, "retain_dropout", False), "--retain-dropout"),
+        (getattr(args, "match_source_len", False), "--match-source-len"),
     ]
     for bad, flag in unsupported:
         if bad:
@@ -253,11 +380,6 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
         raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    match_source_len = getattr(args, "match_source_len", False)
-    search_strategy = None
-    if match_source_len:
-        search_strategy = search.LengthConstrainedBeamSearch(
-            task.target_dictionary, min_len_a=1, min_len_b=0, max_len_a=1, max_len_b=0)
     return SATSequenceGenerator(
         models,
         task.target_dictionary,
@@ -270,7 +392,5 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         len_penalty=getattr(args, "lenpen", 1),
         unk_penalty=getattr(args, "unkpen", 0),
         temperature=getattr(args, "temperature", 1.0),
-        match_source_len=match_source_len,
         no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
-        search_strategy=search_strategy,
     )

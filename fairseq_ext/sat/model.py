@@ -30,6 +30,7 @@ from torch import Tensor
 from fairseq import checkpoint_utils
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
+from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from fairseq.models.transformer.transformer_legacy import (
     base_architecture,
     transformer_iwslt_de_en,
@@ -106,13 +107,23 @@ class SATDecoder(TransformerDecoderBase):
         prev_key = buf.get("prev_key") if buf is not None else None
         return 0 if prev_key is None else prev_key.size(2)
 
-    def _new_positions(self, prev_output_tokens, incremental_state, n_cached):
-        """Positional embeddings of the new positions n_cached..T-1, computed from the full prefix (which has
-        no padding in incremental decoding): one new position is embedded as fairseq does it; several are
-        cut from the embeddings of the whole prefix (one call instead of one per position)."""
-        if prev_output_tokens.size(1) - n_cached == 1:
-            return self.embed_positions(prev_output_tokens, incremental_state=incremental_state)
-        return self.embed_positions(prev_output_tokens)[:, n_cached:]
+    def _new_positions(self, prev_output_tokens, n_cached: int) -> Tensor:
+        """Positional embeddings [B, slen - n_cached, C] of the new positions n_cached..slen-1 of an incremental
+        step. The prefix of incremental decoding has no padding, so position t is ``padding_idx + 1 + t`` (what
+        fairseq's ``make_positions`` gives): the rows are sliced from the table, without embedding the prefix."""
+        bsz, slen = prev_output_tokens.size()
+        ep = self.embed_positions
+        first = ep.padding_idx + 1 + n_cached
+        if isinstance(ep, SinusoidalPositionalEmbedding):
+            table = ep.weights
+        elif isinstance(ep, LearnedPositionalEmbedding):
+            table = ep.weight
+        else:
+            table = None
+        if table is None or ep.padding_idx + 1 + slen > table.size(0):
+            # another positional module, or past the table (fairseq grows a sinusoidal one, a learned one raises)
+            return ep(prev_output_tokens)[:, n_cached:]
+        return table[first: ep.padding_idx + 1 + slen].unsqueeze(0).expand(bsz, -1, -1)
 
     def extract_features_scriptable(
         self,
@@ -155,13 +166,15 @@ class SATDecoder(TransformerDecoderBase):
             if incremental_state is None:
                 positions = self.embed_positions(prev_output_tokens)
             else:
-                positions = self._new_positions(prev_output_tokens, incremental_state, n_cached)
+                positions = self._new_positions(prev_output_tokens, n_cached)
         tokens = prev_output_tokens[:, n_cached:].contiguous()
 
         x = embed_decoder_input(self, tokens, positions)  # T x B x C
 
+        # padding keys exist only in the full pass (right-padded targets); the prefix of incremental decoding
+        # has none, so no host sync (.any()) is spent there
         self_attn_padding_mask: Optional[Tensor] = None
-        if self.cross_self_attention or tokens.eq(self.padding_idx).any():
+        if self.cross_self_attention or (incremental_state is None and tokens.eq(self.padding_idx).any()):
             self_attn_padding_mask = tokens.eq(self.padding_idx)
 
         # relaxed causal mask (Sec. 3.3). Incremental: rows n_cached..slen-1 of M; when the new positions are
@@ -191,6 +204,22 @@ class SATDecoder(TransformerDecoderBase):
                 attn = layer_attn.float().to(x)
 
         return decoder_output(self, x, attn, inner_states, alignment_heads)
+
+
+def _train_will_restore(args) -> bool:
+    """Whether fairseq-train, run with these options, loads model weights from a checkpoint after building the
+    model (the resolution of fairseq's ``checkpoint_utils.load_checkpoint``: ``--restore-file``, by default
+    SAVE_DIR/checkpoint_last.pt, else ``--continue-once`` / ``--finetune-from-model`` on a first launch)."""
+    restore = getattr(args, "restore_file", None)
+    if not restore:
+        return False
+    suffix = getattr(args, "checkpoint_suffix", "") or ""
+    if restore == "checkpoint_last.pt":
+        last = os.path.join(getattr(args, "save_dir", None) or "checkpoints", f"checkpoint_last{suffix}.pt")
+        if os.path.exists(last):
+            return True
+        return bool(getattr(args, "continue_once", None) or getattr(args, "finetune_from_model", None))
+    return os.path.exists(restore.replace(".pt", suffix + ".pt") if suffix else restore)
 
 
 def group_size(model) -> int:
@@ -252,9 +281,16 @@ class SATModel(TransformerModel):
             raise FairseqExtError("sat_transformer needs right-padded targets: remove --left-pad-target")
         model = super().build_model(args, task)
         init_from = getattr(args, "sat_init_from", None)
-        # the task sets _sat_from_checkpoint when it rebuilds a trained model (its weights come from there)
-        if init_from and not getattr(task, "_sat_from_checkpoint", False):
-            model.init_from_transformer(init_from, include_decoder=getattr(args, "sat_init_decoder", False))
+        if init_from:
+            # only a new training is initialised: not a model rebuilt from its checkpoint (translation_sat sets
+            # _sat_from_checkpoint; fairseq does not tell the model otherwise) nor a training that fairseq-train
+            # is about to restore from a checkpoint
+            if not getattr(task, "_sat_from_checkpoint", False) and not _train_will_restore(args):
+                model.init_from_transformer(init_from, include_decoder=getattr(args, "sat_init_decoder", False))
+            # the checkpoints of this model then store where the weights came from (sat_initialised_from), not a
+            # request to initialise: rebuilding the model, with any task, never reads that file again
+            args.sat_init_from = None
+            args.sat_initialised_from = init_from
         return model
 
     @classmethod
