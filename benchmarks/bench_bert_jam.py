@@ -7,6 +7,15 @@ times one training step (forward, backward, Adam step) of fairseq's ``transforme
 phases 1, 2 and 3 with the same encoder/decoder sizes, interleaving the contenders step by step, and prints
 parameter counts and the ratios of the median step times (noise on a shared machine affects all alike).
 Also times greedy generation (``SequenceGenerator``, beam 1) of the transformer and of bert_jam.
+
+Then the speed paths of bert_jam, each against the same model with the path switched off, interleaved step by
+step in the same run (same batches, same drop-net draws):
+
+* phase 1 computes only what the frozen compositions select (B_L; ``encoder.bert_last_only``) instead of
+  stacking BERT's L layers and composing them in every layer;
+* ``--bert-dropnet 0.5`` computes only the decoder branch it keeps (``skip_dropped_branch``);
+* beam search projects BERT's keys/values once per sentence at the first step (``project_per_sentence``);
+* checkpoint size of phase 1 (no frozen BERT) and phase 3 (fine-tuned BERT).
 """
 
 import argparse
@@ -49,6 +58,7 @@ def main():
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--beam", type=int, default=4)
     a = ap.parse_args()
     torch.manual_seed(0)
     n = a.batch * 4
@@ -85,8 +95,10 @@ def main():
     targs = args_for("transformer", "translation")
     tasks = {"transformer": TranslationTask(targs, src_dict, tgt_dict)}
     models = {"transformer": tasks["transformer"].build_model(targs)}
-    for phase in (1, 2, 3):
-        bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase", str(phase)])
+    for phase in (1, 2, 3, "2 dropnet"):
+        extra = ["--bert-dropnet", "0.5"] if phase == "2 dropnet" else []
+        bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase",
+                                                          str(phase)[0], *extra])
         task = TranslationBertTask(bargs, src_dict, tgt_dict)
         tasks[f"bert_jam phase {phase}"] = task
         models[f"bert_jam phase {phase}"] = BertJamModel.build_model(bargs, task)
@@ -108,22 +120,40 @@ def main():
         opts[name].step()
         return time.perf_counter() - t0
 
-    times = {k: [] for k in models}
+    def set_paths(name, on):
+        m = models[name]
+        if name == "bert_jam phase 1":
+            m.encoder.bert_last_only = on
+        if name == "bert_jam phase 2 dropnet":
+            for layer in m.decoder.layers:
+                layer.skip_dropped_branch = on
+
+    # contenders: (model, speed path on/off); the "off" variants are the code before the speed paths
+    contenders = [(k, True) for k in models] + [("bert_jam phase 1", False), ("bert_jam phase 2 dropnet", False)]
+    times = {c: [] for c in contenders}
     for i in range(a.steps + 1):
-        for name in models:
-            dt = step(name, batches[i % len(batches)])
+        for c in contenders:
+            set_paths(c[0], c[1])
+            torch.manual_seed(i)  # the same drop-net draws for both variants
+            dt = step(c[0], batches[i % len(batches)])
+            set_paths(c[0], True)
             if i > 0:  # the first step warms up
-                times[name].append(dt)
-    base = statistics.median(times["transformer"])
+                times[c].append(dt)
+    base = statistics.median(times["transformer", True])
     print(f"# bert_jam training cost, d={a.dim}, {a.layers}+{a.layers} layers, batch {a.batch} sentences "
           f"(~{batches[0]['ntokens']} target tokens), MiniLM-L6-H384 BERT, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); machine shared and loaded: compare ratios only")
     for name, m in models.items():
         total = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
-        med = statistics.median(times[name])
-        print(f"{name:20s} params {total / 1e6:7.2f}M  trainable {trainable / 1e6:7.2f}M  step {med * 1000:8.1f} ms"
-              f"  x{med / base:5.2f} of transformer")
+        med = statistics.median(times[name, True])
+        print(f"{name:24s} params {total / 1e6:7.2f}M  trainable {trainable / 1e6:7.2f}M  step {med * 1000:8.1f} ms"
+              f"  {batches[0]['ntokens'] / med:8.0f} tgt tok/s  x{med / base:5.2f} of transformer")
+    for name, what in (("bert_jam phase 1", "phase 1: B_L only vs all L layers stacked + composed"),
+                       ("bert_jam phase 2 dropnet", "drop-net 0.5: kept branch only vs both branches")):
+        on, off = statistics.median(times[name, True]), statistics.median(times[name, False])
+        print(f"{what}: {on * 1000:.1f} ms vs {off * 1000:.1f} ms per step ({batches[0]['ntokens'] / on:.0f} vs "
+              f"{batches[0]['ntokens'] / off:.0f} tgt tok/s): x{off / on:.3f} faster")
 
     # greedy decoding of one batch
     gen_times = {"transformer": [], "bert_jam phase 1": []}
@@ -143,6 +173,32 @@ def main():
     g1 = min(gen_times["bert_jam phase 1"])
     print(f"greedy generation of {a.batch} sentences: transformer {g0 * 1000:.0f} ms, bert_jam {g1 * 1000:.0f} ms "
           f"(x{g1 / g0:.2f})")
+
+    # beam search: BERT's keys/values projected per sentence (first step) vs per beam, phase 2 (all layers)
+    m = models["bert_jam phase 2"].eval()
+    ni = dict(batches[0]["net_input"])
+    ni.pop("prev_output_tokens")
+    beam_times = {True: [], False: []}
+    for rep in range(3):
+        for on in (True, False):
+            for layer in m.decoder.layers:
+                layer.bert_attn.project_per_sentence = on
+            gen = SequenceGenerator([m], tgt_dict, beam_size=a.beam, max_len_b=20)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                gen.generate([m], {"net_input": ni})
+            beam_times[on].append(time.perf_counter() - t0)
+    on, off = min(beam_times[True]), min(beam_times[False])
+    print(f"beam {a.beam} generation of {a.batch} sentences (phase 2): BERT K/V per sentence {on * 1000:.0f} ms vs per "
+          f"beam {off * 1000:.0f} ms: x{off / on:.3f} faster")
+
+    # checkpoint size: phases 1-2 leave the frozen BERT out
+    import io
+
+    for name in ("bert_jam phase 1", "bert_jam phase 3"):
+        buf = io.BytesIO()
+        torch.save(models[name].state_dict(), buf)
+        print(f"{name}: model state {buf.tell() / 2 ** 20:.1f} MiB")
 
 
 if __name__ == "__main__":
