@@ -178,6 +178,7 @@ def test_bad_input_errors_name_the_flag(tiny_bert, tmp_path):
     task = TranslationBertTask(TranslationBertConfig(source_lang="in", target_lang="out"), d, d)
     with pytest.raises(FairseqExtError, match="--bert-model-name"):
         BertJamModel.build_model(argparse.Namespace(arch="bert_jam"), task)
+    assert BertJamModel.hub_models() == {}  # not TransformerModel's plain transformer archives
 
 
 # ------------------------------------------------------------------------------------------------ decoding

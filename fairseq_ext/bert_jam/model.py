@@ -14,8 +14,10 @@ Read beside Section 2 of the paper:
   joint attention over (D^i, B^{D,i}) and over (D^i, E^L), then FFN; residual + layer norm around each;
 * ``--bert-jam-phase {1,2,3}`` (Section 2.4): 1 = BERT and GLUs frozen, 2 = GLUs trainable, 3 = BERT fine-tuned
   (its pooler is never built). Every phase has the same parameter names, so a phase starts from the previous
-  phase's checkpoint (``--restore-file ... --reset-optimizer`` or ``--finetune-from-model``) with no key
-  mismatch. A frozen BERT runs under ``torch.no_grad()``.
+  phase's checkpoint (``--restore-file ... --reset-optimizer``, which with ``--task translation_bert`` keeps the
+  update counter and LR schedule, or ``--finetune-from-model``, which restarts them) with no key mismatch. A
+  frozen BERT runs under ``torch.no_grad()`` and is not saved (phase 1-2 checkpoints record the content hash of
+  the pre-trained weights and reload them from ``--bert-model-name``).
 * ablations of Table 7: ``--bert-composition linear`` (M1: sum_i alpha_i B_i, no gate) and ``last`` (M2: B_L).
 
 Use with ``--task translation_bert --bert-model-name DIR`` (see :mod:`fairseq_ext.bert_jam.task`).
@@ -529,13 +531,18 @@ class BertJamModel(TransformerModel):
         self.set_phase(args.bert_jam_phase)
 
     @classmethod
+    def hub_models(cls):
+        return {}  # not the plain transformer archives that TransformerModel lists
+
+    @classmethod
     def add_args(cls, parser):
         TransformerModel.add_args(parser)
         parser.add_argument("--bert-jam-phase", type=int, choices=[1, 2, 3],
                             help="three-phase optimisation (Section 2.4): 1 = BERT and GLUs frozen (GLU output "
                                  "x2), 2 = GLUs trainable, 3 = BERT fine-tuned too; start phase N+1 from phase "
-                                 "N's checkpoint with --restore-file CKPT --reset-optimizer or "
-                                 "--finetune-from-model CKPT")
+                                 "N's checkpoint with --restore-file CKPT --reset-optimizer (optimizer state "
+                                 "reset, update counter and LR schedule continued) or --finetune-from-model CKPT "
+                                 "(all restarted)")
         parser.add_argument("--bert-composition", choices=COMPOSITIONS,
                             help="how each layer composes BERT's layers: glu (Eq. 8), linear (ablation M1: "
                                  "weighted sum, no gate), last (ablation M2: last BERT layer only)")
@@ -610,7 +617,8 @@ class BertJamModel(TransformerModel):
 
     def refresh_bert_last_only(self):
         """Compute only what the compositions select: when every one of them gives exactly B_L (phase 1 at
-        Eq. 11, M2), BERT's other layers are neither stacked nor composed."""
+        Eq. 11, M2), BERT's other layers are neither stacked nor composed. Run by set_phase and load_state_dict;
+        run it again after changing frozen composition weights by hand."""
         self.encoder.bert_last_only = all(c.selects_last_layer() for c in self.compositions())
 
     def load_state_dict(self, state_dict, strict=True, model_cfg=None, args=None):
