@@ -16,8 +16,9 @@ contender in turn, in a rotating random order) so that the load of the machine a
   the 3+3 model (an encoder layer is 2/3 of a decoder layer), with our K=1 and CTranslate2 int8; (d) the SAT
   with that shallow decoder (6+1) for every K;
 * ours SAT K=2/4/6 (3+3);
-* with ``--quantize output|decoder`` (opt-in, repeatable): our K=1 and SATs after
-  :func:`fairseq_ext.inference.quantize_decoder` (int8 softmax projection / every decoder nn.Linear), with
+* with ``--quantize output|decoder|all`` (opt-in, repeatable): our K=1 and SATs after
+  :func:`fairseq_ext.inference.quantize_decoder` (int8 softmax projection / every decoder nn.Linear; 'all':
+  and :func:`~fairseq_ext.inference.quantize_encoder`), with
   their agreement with the float hypotheses (and BLEU with trained models);
 * with ``--baseline-rev REV``: our K=1 with ``fairseq_ext/sat/generator.py`` as committed at REV (git), to
   measure what the generator's own changes give (the models are the same).
@@ -100,9 +101,10 @@ def parse_args(argv=None):
                    help="decode exactly N words + EOS with every contender (--min-len N --max-len-b N "
                         "--max-len-a 0; CTranslate2: min/max decoding length): speed at equal output length, "
                         "independent of how well (or badly) the models are trained; BLEU is then meaningless")
-    p.add_argument("--quantize", action="append", default=[], choices=["output", "decoder"],
+    p.add_argument("--quantize", action="append", default=[], choices=["output", "decoder", "all"],
                    help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
-                        "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder')")
+                        "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
+                        "'all': every decoder and encoder nn.Linear (quantize_encoder too); repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -380,7 +382,7 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext.inference import quantize_decoder
+    from fairseq_ext.inference import quantize_decoder, quantize_encoder
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     code = git_info()
@@ -469,7 +471,9 @@ def main(argv=None):
     float_ours = [c for c in cs if c.name.startswith("ours") and c.family == ""]
     for layers in args.quantize:
         for c in float_ours:
-            m = quantize_decoder(copy.deepcopy(c.model), layers=layers)
+            m = quantize_decoder(copy.deepcopy(c.model), layers="decoder" if layers == "all" else layers)
+            if layers == "all":
+                quantize_encoder(m)
             cs.append(Contender(f"{c.name} [int8 {layers}]", c.K, f"int8 {layers}", variant=f"int8 {layers}",
                                 model=m, make_gen=ours(m), of=c))
     n_params = {"transformer 3+3" if not args.tiny else "transformer": sum(p.numel() for p in teacher.parameters())}
@@ -678,7 +682,7 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
     ct2_int8 = results.get("CTranslate2 int8 (transformer)")
     if ct2_int8:
         for c in cs:
-            if c.name.startswith("ours SAT K=4") and c.family in ("", "int8 output", "int8 decoder"):
+            if c.name.startswith("ours SAT K=4") and c.family in ("", "int8 output", "int8 decoder", "int8 all"):
                 ratio = results[c.name]["greedy_b1_ms"] / ct2_int8["greedy_b1_ms"]
                 checks[f"{c.name} greedy / CTranslate2 int8"] = ratio
                 print(f"stretch: {c.name} greedy batch 1 at or below CTranslate2 int8 (same-size transformer): "

@@ -13,7 +13,7 @@ import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import quantize_decoder
+from fairseq_ext.inference import quantize_decoder, quantize_encoder
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from tests.builders import SAT_DICT, sat_model, sat_sample
 from tests.helpers import ROOT
@@ -123,8 +123,25 @@ def test_quantize_decoder_keeps_the_sat_decoding(layers):
             assert len(hq) == beam and len(hq[0]["tokens"]) == len(hf[0]["tokens"]) == 8
 
 
+def test_quantize_encoder_keeps_the_encoder_output_close():
+    float_model = sat_model(2, seed=4)
+    q = quantize_encoder(quantize_decoder(sat_model(2, seed=4), layers="decoder"))
+    assert type(q.encoder.layers[0].fc1).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    assert type(q.encoder.layers[0].self_attn.q_proj).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    src, lengths = torch.tensor([[4, 5, 6, 7, 8, 2], [1, 9, 10, 11, 12, 2]]), torch.tensor([6, 5])
+    with torch.no_grad():
+        ef = float_model.encoder(src, src_lengths=lengths)["encoder_out"][0]
+        eq = q.encoder(src, src_lengths=lengths)["encoder_out"][0]
+    assert not torch.equal(ef, eq) and (ef - eq).abs().max() < 0.1
+    out = SATSequenceGenerator([q], SAT_DICT, beam_size=2, max_len_a=0, max_len_b=5, min_len=5).generate(
+        [q], sat_sample(src, lengths))
+    assert [len(h[0]["tokens"]) for h in out] == [6, 6]
+
+
 def test_quantize_decoder_refuses_bad_input():
     with pytest.raises(FairseqExtError, match="layers must be one of"):
         quantize_decoder(sat_model(1), layers="encoder")
     with pytest.raises(FairseqExtError, match="no .decoder"):
         quantize_decoder(torch.nn.Linear(2, 2))
+    with pytest.raises(FairseqExtError, match="no .encoder"):
+        quantize_encoder(torch.nn.Linear(2, 2))
