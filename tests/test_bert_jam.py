@@ -515,8 +515,6 @@ def test_bert_input_prepared_with_other_settings_is_refused(prepared, tiny_bert,
     _task(other, tiny_bert).build_model(saved, from_checkpoint=True)
 
 
-@pytest.mark.xfail(strict=True, reason="recipes/bert_jam/common.sh (another engineer's file) still gives phase 3 "
-                   "--patience; remove this marker once it does not")
 @pytest.mark.parametrize("recipe", ["iwslt14_de_en", "wmt14_en_de"])
 def test_recipe_phase_3_writes_every_epoch_checkpoint_it_averages(recipe):
     """Review #3: phase 3 has its own save directory; early stopping there leaves fewer epoch checkpoints than

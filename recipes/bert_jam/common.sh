@@ -1,6 +1,6 @@
 # Shared by recipes/bert_jam/*.sh: BERT-JAM's three-phase optimisation (Zhang et al. 2020, Section 2.4 and
 # 3.2; official README), checkpoint averaging of the last 10 epochs and scoring. Sourced after a recipe has set
-#   SRC TGT ARCH BERT BIN TEXT SAVE  PHASE1_EPOCHS PHASE2_EPOCHS PHASE3_EPOCHS  PATIENCE  UPDATE_FREQ
+#   SRC TGT ARCH BERT BIN TEXT SAVE  PHASE1_EPOCHS PHASE2_EPOCHS PHASE3_EPOCHS  UPDATE_FREQ
 #   GEN_ARGS (array)  COMPOUND_SPLIT (0/1)
 # Options:  --dry-run   print every command (one per line, shell-quoted) instead of running it
 #           --from-phase N   skip the phases before N (their checkpoints must exist)
@@ -63,11 +63,10 @@ start_from() {
 # 2. GLUs trainable; continues phase 1's epoch counter and LR schedule, optimizer state reset
 [ "$FROM_PHASE" -le 2 ] && run fairseq-train "${COMMON[@]}" --bert-jam-phase 2 --save-dir "$SAVE/phase2" \
   $(start_from phase1 phase2) --max-epoch "$PHASE2_EPOCHS"
-# 3. fine-tune BERT (pooler excluded); stop on validation loss so that the best epoch falls in the middle of
-#    the averaged window (patience = half of the 10 averaged epochs)
+# 3. fine-tune BERT (pooler excluded) for a fixed PHASE3_EPOCHS - PHASE2_EPOCHS (10) epochs, all of which step 4
+#    averages (no early stopping: it would leave fewer epoch checkpoints than are averaged)
 [ "$FROM_PHASE" -le 3 ] && run fairseq-train "${COMMON[@]}" --bert-jam-phase 3 --save-dir "$SAVE/phase3" \
-  $(start_from phase2 phase3) --max-epoch "$PHASE3_EPOCHS" \
-  --patience "$PATIENCE" --best-checkpoint-metric loss
+  $(start_from phase2 phase3) --max-epoch "$PHASE3_EPOCHS"
 
 # 4. average the last 10 epoch checkpoints of phase 3, translate the test set, score
 run python -m fairseq_ext.average_checkpoints --inputs "$SAVE/phase3" --num-epoch-checkpoints 10 \

@@ -18,7 +18,7 @@ TEXT="${TEXT:-data/wmt14_en_de}"
 BIN="${BIN:-data-bin/wmt14_en_de}"
 BERT="${BERT:-bert-large-uncased}"
 SAVE="${SAVE:-checkpoints/bert_jam_wmt14_en_de}"
-PHASE1_EPOCHS=40; PHASE2_EPOCHS=50; PHASE3_EPOCHS=60; PATIENCE=5
+PHASE1_EPOCHS=40; PHASE2_EPOCHS=50; PHASE3_EPOCHS=60
 UPDATE_FREQ="${UPDATE_FREQ:-32}"
 GEN_ARGS=(--beam 4 --lenpen 0.6)
 COMPOUND_SPLIT=1
