@@ -291,6 +291,9 @@ def config_problem(state):
                 except ValueError as exc:
                     return where, f"= {obj[:80]!r} is not a plain literal ({exc}), and fairseq eval()s it"
             return None
+        if (id(obj), name) in seen:  # a pickle may share one container many times (2^depth paths otherwise)
+            return None
+        seen.add((id(obj), name))
         try:
             items = _config_items(obj)
         except Exception as exc:  # noqa: BLE001 - a malformed omegaconf container
@@ -304,6 +307,7 @@ def config_problem(state):
 
     if not isinstance(state, dict):
         return None
+    seen = set()
     for section in ("args", "cfg"):
         try:
             found = walk(state.get(section), section, section, 0)

@@ -228,6 +228,20 @@ def test_plain_literals_and_key_references_still_load(genuine, tmp_path):
         genuine["cfg"]["dataset"]["max_tokens"]
 
 
+def test_a_config_sharing_one_list_many_times_is_checked_quickly(genuine, tmp_path):
+    import time
+
+    shared = ["x"]
+    for _ in range(60):  # 2^60 paths through 61 lists
+        shared = [shared, shared]
+    state = _cfg_state(genuine, shared=shared)
+    state["cfg"]["task"]["adam_betas"] = "[(8, 1)] * 100000000"  # found after the walk through cfg.model
+    start = time.perf_counter()
+    with pytest.raises(UnsafeCheckpointError, match=r"cfg\.task\.adam_betas"):
+        checkpoint_io.check_config(state, "c.pt")
+    assert time.perf_counter() - start < 5
+
+
 @pytest.mark.parametrize("spec, reason", [
     ("[(8, 1)] * 100000000", "builds more than 1000 items"),
     ("'x' * 10 ** 9", "Pow"),
