@@ -687,7 +687,8 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
                 checks[f"{c.name} greedy / CTranslate2 int8"] = ratio
                 print(f"stretch: {c.name} greedy batch 1 at or below CTranslate2 int8 (same-size transformer): "
                       f"{results[c.name]['greedy_b1_ms']:.2f} vs {ct2_int8['greedy_b1_ms']:.2f} ms ({ratio:.2f}x its "
-                      f"latency)  {'ok' if ratio <= 1 else 'not met'}")
+                      f"latency; output lengths {results[c.name]['greedy_b1_len']:.1f} vs "
+                      f"{ct2_int8['greedy_b1_len']:.1f})  {'ok' if ratio <= 1 else 'not met'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"speedup_vs_k1": by_family.get("", {}),
