@@ -39,7 +39,6 @@ import os
 import pickle
 import re
 import shutil
-import socket
 import threading
 import types
 import typing
@@ -484,7 +483,7 @@ def _load_checkpoint_to_cpu(original):
 # --------------------------------------------------------------------------------------------------------
 
 def _tmp_name(path):
-    return f"{path}.tmp.{socket.gethostname()}.{os.getpid()}"
+    return f"{path}.tmp.{os.getpid()}"
 
 
 def _pid_alive(pid):
@@ -492,16 +491,17 @@ def _pid_alive(pid):
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except OSError:  # PermissionError: it exists, under another user
         return True
     return True
 
 
 def remove_stale_temporaries(path):
-    """Delete ``<path>.tmp.<host>.<pid>`` files that a process of this host, now dead, left behind (a kill
-    during a copy or save: ``finally`` does not run on SIGKILL). Returns the removed paths."""
+    """Delete the ``<path>.tmp.<pid>`` files that a process of this machine, now dead, left behind (a kill
+    during a copy or save: ``finally`` does not run on SIGKILL). Returns the removed paths. (A process of another
+    machine writing the same file in a shared directory would look dead: fairseq saves from rank 0 only.)"""
     directory, base = os.path.split(os.path.abspath(path))
-    prefix = f"{base}.tmp.{socket.gethostname()}."
+    prefix = f"{base}.tmp."
     removed = []
     try:
         names = os.listdir(directory)
@@ -518,30 +518,32 @@ def remove_stale_temporaries(path):
     return removed
 
 
-def _fsync_directory(path):
+def _fsync(path, directory=False):
     try:
-        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY if directory else os.O_RDWR)
     except OSError:
+        if not directory:
+            raise
         return
     try:
         os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
+    except OSError:
+        if not directory:  # some file systems cannot fsync a directory
+            raise
     finally:
         os.close(fd)
 
 
-def _atomic_write(path, write):
-    """``write(f)`` into a temporary file beside ``path``, fsync it, rename it to ``path``, fsync the directory."""
+def _atomic_write(path, fill):
+    """``fill(tmp)`` a temporary file beside ``path``, fsync it, rename it to ``path``, fsync the directory:
+    a kill leaves the previous ``path`` intact, and after the rename the new content is on disk."""
     remove_stale_temporaries(path)
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        fill(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
-        _fsync_directory(path)
+        _fsync(os.path.dirname(os.path.abspath(path)), directory=True)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -549,7 +551,7 @@ def _atomic_write(path, write):
 
 def atomic_torch_save(obj, path):
     """Write ``obj`` to ``path`` through a temporary file in the same directory and an atomic rename."""
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 def _map_errors(owner, name, classify):
@@ -632,11 +634,7 @@ def _make_checkpoint_copies_atomic():
         if not overwrite and os.path.exists(dst_path):
             return False
 
-        def write(f):
-            with open(src_path, "rb") as src:
-                shutil.copyfileobj(src, f, 16 << 20)
-
-        _atomic_write(dst_path, write)
+        _atomic_write(dst_path, lambda tmp: shutil.copyfile(src_path, tmp))
         return True
 
     copy._fairseq_ext_wrapped = True

@@ -382,9 +382,11 @@ _KILLED_COPY = """
 import os, shutil, signal, sys
 import fairseq_ext
 from fairseq.file_io import PathManager
-def dying(src, dst, length=0):  # half the checkpoint is written when the process is killed
-    dst.write(src.read(50_000)); dst.flush(); os.kill(os.getpid(), signal.SIGKILL)
-shutil.copyfileobj = dying
+def dying(src, dst):  # half the checkpoint is written when the process is killed
+    with open(src, "rb") as f, open(dst, "wb") as g:
+        g.write(f.read(150_000)); g.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+shutil.copyfile = dying
 PathManager.copy(sys.argv[1], sys.argv[2], overwrite=True)
 """
 
