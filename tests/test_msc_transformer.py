@@ -20,6 +20,7 @@ from fairseq_ext.msc.criterion import (
     LabelSmoothedCrossEntropyL2Criterion,
     encoder_weight_matrices,
 )
+from fairseq_ext.msc import model as msc_model
 from fairseq_ext.msc.model import MSCContextFFN, MSCContextGRU, MSCGate, msc_encoder_states
 from tests.builders import MSC_ABLATIONS as ABLATIONS
 from tests.builders import MSC_BLOCKS as BLOCKS
@@ -70,12 +71,14 @@ def test_incremental_decoding_equals_full_pass(name):
 
 
 @pytest.mark.parametrize("name", ["msc", "no_block_scale", "plain"])
-@pytest.mark.parametrize("beam", [1, 2])
-def test_reorder_incremental_state_and_encoder_out_as_beam_search_does(name, beam):
+@pytest.mark.parametrize("beam,beamable", [(1, False), (2, False), (2, True)])
+def test_reorder_incremental_state_and_encoder_out_as_beam_search_does(name, beam, beamable, monkeypatch):
     """fairseq's contract (SequenceGenerator, fairseq's own transformer): the encoder output is expanded to
     `beam` rows per sentence, then every step permutes rows inside each sentence's beam, and finished sentences
-    leave the batch. The cross-attention caches are stock fairseq's (one per sentence when beam > 1, read from
-    the expansion), the MSC tensors are reordered lazily; every step equals the full pass."""
+    leave the batch. The cross-attention caches are stock fairseq's (one per sentence with beamable attention,
+    read from the expansion; one per hypothesis below BEAMABLE_MIN_SENTENCES sentences), the MSC tensors are
+    reordered lazily; every step equals the full pass."""
+    monkeypatch.setattr(msc_model, "BEAMABLE_MIN_SENTENCES", 1 if beamable else 3)
     model, d = build(extra=_flags(name))
     model.eval()
     src, lengths, _ = _batch(d, bsz=2, tgt_len=8)
@@ -98,8 +101,9 @@ def test_reorder_incremental_state_and_encoder_out_as_beam_search_does(name, bea
                 rows = rows[new_order]
             step, _ = model.decoder(tgt[rows, : t + 1], enc_b, incremental_state=inc)
             assert_close(step[:, 0], full[rows, t], 1e-5, f"{name} beam {beam} step {t}")
-            if t == 0:  # the cross-attention keys: one per sentence (2), not one per hypothesis (2 * beam)
-                assert model.decoder.layers[0].encoder_attn._get_input_buffer(inc)["prev_key"].size(0) == 2
+            if t == 0:  # the cross-attention keys: one per sentence (2) with beamable attention, else 2 * beam
+                keys = model.decoder.layers[0].encoder_attn._get_input_buffer(inc)["prev_key"]
+                assert keys.size(0) == (2 if beamable else 2 * beam)
 
 
 def test_encoder_out_carries_every_block_and_context_and_reorders_them():
@@ -604,9 +608,12 @@ def _search(model, d, src, lengths, beam):
 
 
 @pytest.mark.parametrize("name", ["msc", "no_block_scale", "plain"])
-def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name):
+@pytest.mark.parametrize("beamable", [False, True])
+def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name, beamable, monkeypatch):
     """Beam 4 and greedy over a batch whose sentences finish at different steps (the batch shrinks): the same
-    hypotheses, scores and positional scores as the per-hypothesis path with eager reordering."""
+    hypotheses, scores and positional scores as the per-hypothesis path with eager reordering (bit for bit
+    without beamable attention; its einsum sums in another order: 1e-6)."""
+    monkeypatch.setattr(msc_model, "BEAMABLE_MIN_SENTENCES", 1 if beamable else 7)
     results = []
     for legacy in (False, True):
         model, d = build(extra=_flags(name))
@@ -622,15 +629,17 @@ def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name):
     for new, old in ((beam_new, beam_old), (greedy_new, greedy_old)):
         for hyps_new, hyps_old in zip(new, old):
             assert [h[0] for h in hyps_new] == [h[0] for h in hyps_old]
+            tol = 1e-6 if beamable else 0.0
             for (_, s_new, pos_new), (_, s_old, pos_old) in zip(hyps_new, hyps_old):
-                assert math.isclose(s_new, s_old, rel_tol=0, abs_tol=1e-6)
-                assert all(math.isclose(a, b, rel_tol=0, abs_tol=1e-6) for a, b in zip(pos_new, pos_old))
+                assert math.isclose(s_new, s_old, rel_tol=0, abs_tol=tol)
+                assert all(math.isclose(a, b, rel_tol=0, abs_tol=tol) for a, b in zip(pos_new, pos_old))
 
 
-def test_a_stale_beam_size_does_not_leak_into_greedy_search_or_training():
+def test_a_stale_beam_size_does_not_leak_into_greedy_search_or_training(monkeypatch):
     """fairseq calls set_beam_size only for beam > 1 and never resets it: after a beam-4 search, a greedy search
     of 4 sentences and a training forward must still be exact (the decoder reads the width from the expansion
     of the encoder output and uses width 1 outside a search)."""
+    monkeypatch.setattr(msc_model, "BEAMABLE_MIN_SENTENCES", 1)
     model, d = build(extra=BLOCKS)
     model.eval()
     src, lengths, tgt = _batch(d, bsz=4)

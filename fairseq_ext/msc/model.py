@@ -39,7 +39,9 @@ Choices where the paper is ambiguous (each one is tested in tests/test_msc_trans
 
 ``encoder_out`` carries, besides fairseq's keys (``encoder_out`` = ``[LN_N(B^N)]``, padding mask, ...),
 ``msc_blocks`` = ``[LN_1(B^1), ..., LN_N(B^N)]`` and ``msc_contexts`` = ``[C^0, ..., C^N]`` (empty
-without contextual collaboration), all ``T x B x C``; ``reorder_encoder_out`` reorders them all.
+without contextual collaboration), all ``T x B x C``; ``reorder_encoder_out`` reorders them lazily
+(``msc_order``; ``msc_encoder_states`` applies it). Decoding uses fairseq's stock ``reorder_incremental_state``
+and, for beam searches over at least ``BEAMABLE_MIN_SENTENCES`` sentences, fairseq's beamable cross attention.
 
 ``--log-layer-grad-norms`` logs the gradient norm of every encoder layer (``gnorm_enc_L01`` ...) at each
 update into fairseq's training log and tensorboard (Fig. 5); plot them with
@@ -347,14 +349,22 @@ def msc_encoder_states(encoder_out: Dict[str, List[Tensor]]):
     return blocks, contexts
 
 
+# fairseq's beamable cross attention (keys/values once per sentence) runs its scores through an einsum that costs
+# more than the per-hypothesis bmm on small batches: measured with benchmarks/bench_msc_decode.py on CPU, beam 4,
+# it was x1.10 slower with 1 sentence, about even with 2-4, and faster from 8 sentences on (x0.90 of the legacy
+# path at 8 against x0.95 per hypothesis; x0.70 against x0.88 at 32).
+BEAMABLE_MIN_SENTENCES = 8
+
+
 def _beam_of(encoder_out: Dict[str, List[Tensor]]) -> int:
     """k if ``encoder_out`` was expanded for a beam search of width k (each sentence repeated k times in a
-    row, as ``SequenceGenerator`` does before its first step), else 1."""
+    row, as ``SequenceGenerator`` does before its first step) over at least ``BEAMABLE_MIN_SENTENCES``
+    sentences, else 1 (one cross-attention cache per hypothesis)."""
     order = encoder_out.get("msc_order", [])
     if not order or not encoder_out["msc_blocks"]:
         return 1
     n, total = encoder_out["msc_blocks"][0].size(1), order[0].numel()
-    if total <= n or total % n != 0:
+    if n < BEAMABLE_MIN_SENTENCES or total <= n or total % n != 0:
         return 1
     k = total // n
     expanded = torch.arange(n, device=order[0].device).repeat_interleave(k)
