@@ -3,9 +3,12 @@
 A :class:`FairseqExtError` says what is wrong and what to do. Raised anywhere under a fairseq command line
 (``fairseq-train/-generate/-interactive --user-dir fairseq_ext``) or one of our ``python -m`` tools, it reaches
 :func:`install_excepthook`'s hook, which prints ``error: <message>`` on one line instead of a traceback.
+Set ``FAIRSEQ_EXT_TRACEBACK=1`` to get the full traceback as well (for bug reports).
 """
 
+import os
 import sys
+import traceback
 
 
 class FairseqExtError(Exception):
@@ -15,7 +18,7 @@ class FairseqExtError(Exception):
 def _excepthook(previous):
     def hook(exc_type, exc, tb):
         if isinstance(exc, FairseqExtError):
-            print(f"error: {exc}", file=sys.stderr)
+            report(exc)
             return
         previous(exc_type, exc, tb)
 
@@ -30,7 +33,9 @@ def install_excepthook():
 
 
 def report(exc):
-    """Print a FairseqExtError as the one line a user sees."""
+    """Print a FairseqExtError as the one line a user sees (after its traceback with FAIRSEQ_EXT_TRACEBACK=1)."""
+    if os.environ.get("FAIRSEQ_EXT_TRACEBACK", "") not in ("", "0"):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
     print(f"error: {exc}", file=sys.stderr)
 
 

@@ -253,3 +253,20 @@ def test_batching_keeps_every_sentence():
             assert np.array_equal(np.concatenate(batches), idx)
             if max_sentences == 64:
                 assert [len(b) for b in batches] == [64, 32, 4]
+
+
+def test_one_line_error_and_the_traceback_on_request(tmp_path):
+    """A FairseqExtError from a tool is one `error:` line; FAIRSEQ_EXT_TRACEBACK=1 adds the traceback."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    cmd = [sys.executable, "-m", "fairseq_ext.average_checkpoints", "--inputs", str(tmp_path / "missing.pt"),
+           "--output", str(tmp_path / "avg.pt")]
+    plain = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="0"))
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr
+    assert plain.stderr.strip().splitlines()[-1].startswith("error: ") and "missing.pt" in plain.stderr
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="1"))
+    assert full.returncode == 1 and "Traceback" in full.stderr and full.stderr.strip().splitlines()[-1] == \
+        plain.stderr.strip().splitlines()[-1]
