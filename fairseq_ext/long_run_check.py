@@ -35,8 +35,8 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-USER_DIR = os.path.join(ROOT, "fairseq_ext")
+USER_DIR = os.path.dirname(os.path.abspath(__file__))  # the package: what --user-dir names
+ROOT = os.path.dirname(USER_DIR)  # the checkout (tools/ and work/ live there)
 
 MODEL = {  # --arch NAME: (task, fairseq arch, flags); sizes of the quickstart's models
     "transformer": ("translation", "transformer", [
