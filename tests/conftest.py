@@ -39,3 +39,18 @@ def tiny_transformer_dir(tmp_path_factory):
     preprocess_translation_data(d)
     train_translation_model(d, "transformer_iwslt_de_en", TINY_TRANSFORMER, max_epoch=2)
     return d
+
+
+# Fixtures that train a model or run a pipeline through the fairseq command lines: every test that uses one is
+# part of the full suite only (`-m slow`), so that `pytest -m "not slow"` (the fast lane, README) stays a few
+# minutes of unit tests and in-process checks.
+TRAINING_FIXTURES = {
+    "tiny_transformer_dir", "tiny_run", "run", "prepared", "genuine", "evil_transformer", "smoke", "server",
+    "data", "data_dir", "trained", "runs", "wheel",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if TRAINING_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

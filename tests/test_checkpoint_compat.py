@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test runs fairseq-generate in a fresh process
+
 from tests.helpers import ROOT, USER_DIR, run_cli
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pre_layout")

@@ -356,6 +356,7 @@ def test_generation_options(trained):
                     assert h.split()[:2] == targets[i][:2], (flags, i, h, targets[i])
 
 
+@pytest.mark.slow
 def test_update_freq_with_raw_dataset(tmp_path):
     raw = str(tmp_path / "raw")
     os.makedirs(raw)
