@@ -1,0 +1,150 @@
+"""The contenders of benchmarks/bench_sat.py: the random-init models at the quickstart's size (--random-init), their
+random sources, the CTranslate2 conversion of a fairseq transformer (anchor b), and :class:`Contender`, one
+decoder under test with its generator or translator."""
+
+import os
+import random
+import time
+# --random-init sizes: the quickstart transformer (Ding corpus) and a tiny one for the tests (--tiny)
+RANDOM_SIZES = {
+    "full": dict(dim=256, ffn=512, heads=4, layers=(3, 3), vocab=8000, src_mean=25, src_sd=6),
+    "tiny": dict(dim=32, ffn=64, heads=2, layers=(2, 2), vocab=300, src_mean=8, src_sd=2),
+}
+DEEP_SHALLOW = (6, 1)  # encoder, decoder layers of anchors (c) and (d): 6 x 2/3 + 1 = 3 + 3 decoder-layer units
+
+
+
+def build_random_models(args, workdir):
+    """Transformer 3+3, SAT 3+3 per K, transformer 6+1 and SAT 6+1 per K, random weights (fairseq's
+    initialisation, seeded), one joint dictionary; the two transformers are also saved as fairseq checkpoints
+    (for the CTranslate2 converter). Returns (models by role, checkpoint paths by role, data dir, dictionary)."""
+    import torch
+    from fairseq import options, tasks
+
+    import fairseq_ext  # noqa: F401  (registers sat_transformer)
+
+    size = RANDOM_SIZES["tiny" if args.tiny else "full"]
+    data = os.path.join(workdir, "data")
+    os.makedirs(data, exist_ok=True)
+    n_words = size["vocab"] - 4  # + fairseq's 4 special symbols = the vocabulary size
+    for lang in (args.source_lang, args.target_lang):
+        with open(os.path.join(data, f"dict.{lang}.txt"), "w") as f:
+            f.writelines(f"w{i} {n_words - i}\n" for i in range(n_words))
+
+    def build(arch, layers, K=None):
+        enc, dec = layers
+        argv = [data, "--task", "translation", "-s", args.source_lang, "-t", args.target_lang, "--arch", arch,
+                "--encoder-layers", str(enc), "--decoder-layers", str(dec),
+                "--encoder-embed-dim", str(size["dim"]), "--decoder-embed-dim", str(size["dim"]),
+                "--encoder-ffn-embed-dim", str(size["ffn"]), "--decoder-ffn-embed-dim", str(size["ffn"]),
+                "--encoder-attention-heads", str(size["heads"]), "--decoder-attention-heads", str(size["heads"]),
+                "--share-all-embeddings", "--dropout", "0", "--attention-dropout", "0", "--cpu"]
+        if K is not None:
+            argv += ["--sat-group-size", str(K)]
+        cfg = options.parse_args_and_arch(options.get_training_parser(), argv)
+        task = tasks.setup_task(cfg)
+        torch.manual_seed(args.seed + 1000 * layers[1] + (K or 1))
+        return task.build_model(cfg).eval(), cfg, task
+
+    models, ckpts, task = {}, {}, None
+    families = [("", size["layers"])] + ([] if args.no_deep_shallow else [("6+1 ", DEEP_SHALLOW)])
+    for prefix, layers in families:
+        m, cfg, task = build("transformer", layers)
+        models[prefix + "K=1"] = m
+        path = os.path.join(workdir, f"transformer-{layers[0]}-{layers[1]}.pt")
+        torch.save({"args": cfg, "cfg": None, "model": m.state_dict()}, path)
+        ckpts[prefix + "K=1"] = path
+        for K in args.ks:
+            models[f"{prefix}K={K}"] = build("sat_transformer", layers, K)[0]
+    return models, ckpts, data, task
+
+
+def random_sources(args, dictionary, n):
+    """n random sources (token ids + EOS), lengths normal around the size's mean, as fairseq batches of one."""
+    import torch
+
+    size = RANDOM_SIZES["tiny" if args.tiny else "full"]
+    rng = random.Random(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    samples = []
+    for i in range(n):
+        L = min(max(int(round(rng.gauss(size["src_mean"], size["src_sd"]))), 5), 50)
+        src = torch.randint(dictionary.nspecial, len(dictionary), (1, L + 1), generator=g)
+        src[0, -1] = dictionary.eos()
+        samples.append({"id": torch.tensor([i]), "nsentences": 1, "ntokens": L + 1,
+                        "net_input": {"src_tokens": src, "src_lengths": torch.tensor([L + 1])}})
+    return samples
+
+
+# -- CTranslate2 -----------------------------------------------------------------------------------------------
+def ct2_convert(checkpoint, data_dir, out_dir, args):
+    """The fairseq transformer ``checkpoint`` as a CTranslate2 model directory (float32 weights; int8 is chosen
+    when loading). Returns the directory, or None with the reason printed (ctranslate2 missing, unsupported)."""
+    try:
+        import ctranslate2  # noqa: F401
+        from ctranslate2.converters import FairseqConverter
+    except ImportError:
+        print("CTranslate2 anchors skipped: ctranslate2 is not installed "
+              "(pip install --no-deps ctranslate2==4.8.5)", flush=True)
+        return None
+    import torch
+
+    from fairseq_ext import checkpoint_io
+
+    try:  # the converter loads with weights_only=True: allow what fairseq checkpoints hold (as fairseq_ext does)
+        with torch.serialization.safe_globals(checkpoint_io.SAFE_GLOBALS or []):
+            FairseqConverter(checkpoint, data_dir, source_lang=args.source_lang, target_lang=args.target_lang
+                             ).convert(out_dir, force=True)
+    except Exception as e:  # an anchor, not the subject: report and go on
+        print(f"CTranslate2 anchor skipped: converting {checkpoint} failed: {type(e).__name__}: {e}", flush=True)
+        return None
+    return out_dir
+
+
+class Contender:
+    """One decoder of the benchmark. ``decode(sample, beam)`` -> (seconds, hypotheses as token-id lists with
+    the final EOS, decoder calls or 0)."""
+
+    def __init__(self, name, K, family, variant="float", model=None, make_gen=None, translator=None,
+                 dictionary=None, src_dict=None, of=None):
+        self.name, self.K, self.family, self.variant, self.model = name, K, family, variant, model
+        self.make_gen, self.translator, self.dict, self.src_dict = make_gen, translator, dictionary, src_dict
+        self.of = of  # the float contender this one is a variant of (agreement)
+        self._gens = {}
+
+    def decode(self, sample, beam, gen_opts):
+        if self.translator is not None:
+            return self._decode_ct2(sample, beam, gen_opts)
+        import torch
+
+        gen = self._gens.get(beam)
+        if gen is None:
+            gen = self._gens[beam] = self.make_gen(beam)
+        t0 = time.perf_counter()
+        with torch.no_grad():  # as fairseq-generate (task.inference_step)
+            out = gen.generate([self.model], sample)
+        dt = time.perf_counter() - t0
+        return dt, [h[0]["tokens"].tolist() for h in out], getattr(gen, "decoder_calls", 0)
+
+    def _decode_ct2(self, sample, beam, gen_opts):
+        src, lens = sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"].tolist()
+        pad = self.src_dict.pad()
+        batch = []
+        for row, n in zip(src.tolist(), lens):
+            toks = [t for t in row if t != pad][: n - 1]  # without fairseq's EOS: the model adds it
+            batch.append([self.src_dict[t] for t in toks])
+        if "min_len" in gen_opts:  # N words + EOS: N+1 decoding steps, EOS only allowed (and taken) at the last
+            lim = dict(min_decoding_length=gen_opts["min_len"], max_decoding_length=gen_opts["max_len_b"] + 1)
+        else:  # fairseq's bound a * src_len + b on the batch's padded source length (EOS included)
+            lim = dict(max_decoding_length=int(gen_opts["max_len_a"] * src.size(1) + gen_opts["max_len_b"]) + 1)
+        t0 = time.perf_counter()
+        res = self.translator.translate_batch(batch, beam_size=beam, return_end_token=True,
+                                              max_batch_size=0, **lim)
+        dt = time.perf_counter() - t0
+        hyps = [[self.dict.index(t) for t in r.hypotheses[0]] for r in res]
+        if "min_len" in gen_opts:  # CTranslate2 takes the N+1-th step but does not force EOS there (fairseq does)
+            eos = self.dict.eos()
+            hyps = [h[:-1] + [eos] if len(h) == gen_opts["min_len"] + 1 else h for h in hyps]
+        return dt, hyps, 0
+
+
