@@ -3,9 +3,11 @@ reordering, parameter counts of Table 2, the L2 criterion, per-layer gradient no
 checkpointing, and the fairseq CLI (train / generate / interactive / plot) through --user-dir."""
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import sys
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from tests.builders import MscTask as _Task
 from tests.builders import msc_build as build
 from tests.builders import msc_flags as _flags
 from tests.helpers import (
+    ROOT,
     assert_close,
     create_dummy_data,
     generate_main,
@@ -36,6 +39,9 @@ from tests.helpers import (
     run_module,
     train_translation_model,
 )
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import bench_msc_decode  # noqa: E402  (the pre-17.3 decoding path the benchmark times)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -569,34 +575,6 @@ def test_l2_criterion_refuses_fully_sharded_data_parallel():
 # ------------------------------------------------------------------------------------------------------
 # beam search: fairseq's beamable cross attention, stock reordering, lazy MSC tensors (issue 17.3)
 # ------------------------------------------------------------------------------------------------------
-def _legacy_decoding(model):
-    """The decoding path before issue 17.3: every MSC tensor reordered at every step, every cross-attention
-    cache reordered at every step (one cache per hypothesis), no beamable attention."""
-    from fairseq.modules import MultiheadAttention
-
-    enc_cls = type(model.encoder)
-
-    def reorder_encoder_out(encoder_out, new_order):
-        out = super(enc_cls, model.encoder).reorder_encoder_out(encoder_out, new_order)
-        out["msc_blocks"] = [b.index_select(1, new_order) for b in encoder_out["msc_blocks"]]
-        out["msc_contexts"] = [c.index_select(1, new_order) for c in encoder_out["msc_contexts"]]
-        return out
-
-    def reorder_incremental_state_scripting(incremental_state, new_order):
-        for module in model.decoder.modules():
-            if isinstance(module, MultiheadAttention):
-                buf = module._get_input_buffer(incremental_state)
-                for k in list(buf.keys()):
-                    if buf[k] is not None:
-                        buf[k] = buf[k].index_select(0, new_order)
-                module._set_input_buffer(incremental_state, buf)
-
-    model.encoder.reorder_encoder_out = reorder_encoder_out
-    model.decoder.reorder_incremental_state_scripting = reorder_incremental_state_scripting
-    model.set_beam_size = lambda beam: None
-    return model
-
-
 def _search(model, d, src, lengths, beam):
     from fairseq.sequence_generator import SequenceGenerator
 
@@ -620,10 +598,11 @@ def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name, be
         with torch.no_grad():
             model.decoder.output_projection.weight[d.eos()] *= 1.3  # sentences end at different steps
         model.eval()
-        if legacy:
-            _legacy_decoding(model)
         src, lengths, _ = _batch(d, bsz=6, src_len=9)
-        results.append((_search(model, d, src, lengths, 4), _search(model, d, src, lengths, 1)))
+        # the per-hypothesis path with eager reordering of before issue 17.3, as benchmarks/bench_msc_decode.py
+        # times it
+        with bench_msc_decode.legacy(model) if legacy else contextlib.nullcontext():
+            results.append((_search(model, d, src, lengths, 4), _search(model, d, src, lengths, 1)))
     (beam_new, greedy_new), (beam_old, greedy_old) = results
     assert len({len(hyps[0][0]) for hyps in beam_new}) > 1  # lengths differ: finished sentences left the batch
     for new, old in ((beam_new, beam_old), (greedy_new, greedy_old)):
