@@ -17,7 +17,8 @@ Read beside Section 2 of the paper:
   phase's checkpoint (``--restore-file ... --reset-optimizer``, which with ``--task translation_bert`` keeps the
   update counter and LR schedule, or ``--finetune-from-model``, which restarts them) with no key mismatch. A
   frozen BERT runs under ``torch.no_grad()`` and is not saved (phase 1-2 checkpoints record the content hash of
-  the pre-trained weights and reload them from ``--bert-model-name``).
+  the pre-trained weights and reload them from ``--bert-model-name``); the encoder also accepts BERT's
+  precomputed features (``bert_out``, from ``--bert-feature-cache``) instead of running it.
 * ablations of Table 7: ``--bert-composition linear`` (M1: sum_i alpha_i B_i, no gate) and ``last`` (M2: B_L).
 
 Use with ``--task translation_bert --bert-model-name DIR`` (see :mod:`fairseq_ext.bert_jam.task`).
@@ -434,11 +435,45 @@ class BertJamEncoder(TransformerEncoderBase):
             layers = torch.stack(out.hidden_states[1:], dim=-1)  # B x T x C x L (embedding output excluded)
         return layers.transpose(0, 1).contiguous(), bert_padding_mask
 
-    def forward(self, src_tokens, src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
-                token_embeddings: Optional[Tensor] = None, bert_input: Optional[Tensor] = None):
+    def precomputed_bert(self, bert_out: Tensor, bert_input: Optional[Tensor]):
+        """What :meth:`forward_bert` gives, from BERT's precomputed features (``--bert-feature-cache``):
+        ``bert_out`` B x T_bert x C_bert (B_L) or B x T_bert x C_bert x L (every layer), in any float dtype, with
+        the BERT input for its padding mask. Refused while BERT is trained (phase 3), and when it holds B_L alone
+        but the compositions read every layer."""
+        if self.bert_trainable:
+            raise FairseqExtError("precomputed BERT features (--bert-feature-cache) were given but BERT is being "
+                                  "fine-tuned (--bert-jam-phase 3): they would not follow its updates; drop "
+                                  "--bert-feature-cache in phase 3")
         if bert_input is None:
-            bert_input = self.bert_input_builder().batch_from_source(src_tokens)
-        bert_layers, bert_padding_mask = self.forward_bert(bert_input)
+            raise FairseqExtError("precomputed BERT features (bert_out) need the BERT input (bert_input) beside "
+                                  "them for the padding mask")
+        C, L = self._bert_dims
+        if bert_out.dim() == 4 and bert_out.size(-1) == L and self.bert_last_only:
+            bert_out = bert_out[..., -1]
+        ok = bert_out.shape[:2] == bert_input.shape and bert_out.size(2) == C and (
+            bert_out.dim() == 3 if self.bert_last_only else (bert_out.dim() == 4 and bert_out.size(3) == L))
+        if not ok:
+            need = "B_L alone (B x T x C)" if self.bert_last_only else f"all {L} layers (B x T x C x L)"
+            raise FairseqExtError(
+                f"precomputed BERT features of shape {tuple(bert_out.shape)} do not fit this model, which reads "
+                f"{need} with C = {C} for BERT input {tuple(bert_input.shape)}" + (
+                    "" if self.bert_last_only or bert_out.dim() != 3 else
+                    "; the layer compositions have left Eq. 11 (phase 2, or a checkpoint trained in phase 2): use "
+                    "--bert-feature-cache-layers all (another --bert-feature-cache directory)"))
+        bert_out = bert_out.to(self.embed_tokens.weight.dtype).transpose(0, 1)
+        return (bert_out if self.bert_last_only else bert_out.contiguous()), bert_input.eq(self.bert_pad_id)
+
+    def forward(self, src_tokens, src_lengths: Optional[Tensor] = None, return_all_hiddens: bool = False,
+                token_embeddings: Optional[Tensor] = None, bert_input: Optional[Tensor] = None,
+                bert_out: Optional[Tensor] = None):
+        """``bert_out``: BERT's precomputed features (``--bert-feature-cache``, see :meth:`precomputed_bert`);
+        BERT then does not run."""
+        if bert_out is not None:
+            bert_layers, bert_padding_mask = self.precomputed_bert(bert_out, bert_input)
+        else:
+            if bert_input is None:
+                bert_input = self.bert_input_builder().batch_from_source(src_tokens)
+            bert_layers, bert_padding_mask = self.forward_bert(bert_input)
 
         encoder_padding_mask = src_tokens.eq(self.padding_idx)
         x, encoder_embedding = self.forward_embedding(src_tokens, token_embeddings)
@@ -628,9 +663,10 @@ class BertJamModel(TransformerModel):
 
     def forward(self, src_tokens, src_lengths, prev_output_tokens, bert_input: Optional[Tensor] = None,
                 return_all_hiddens: bool = True, features_only: bool = False,
-                alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None):
+                alignment_layer: Optional[int] = None, alignment_heads: Optional[int] = None,
+                bert_out: Optional[Tensor] = None):
         encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, return_all_hiddens=return_all_hiddens,
-                                   bert_input=bert_input)
+                                   bert_input=bert_input, bert_out=bert_out)
         return self.decoder(prev_output_tokens, encoder_out=encoder_out, features_only=features_only,
                             alignment_layer=alignment_layer, alignment_heads=alignment_heads,
                             src_lengths=src_lengths, return_all_hiddens=return_all_hiddens)

@@ -9,7 +9,10 @@ task
   ``python -m fairseq_ext.bert_jam.prepare`` beside the binarised data (see :class:`fairseq_ext.bert_jam.bert.BertInputBuilder`);
 * leaves ``bert_input`` out when that file is absent (e.g. ``fairseq-generate`` on a split that was not
   prepared, ``fairseq-interactive`` with ordinary one-line input): the model then derives it from
-  ``src_tokens`` with the very same builder, so both paths give identical BERT ids.
+  ``src_tokens`` with the very same builder, so both paths give identical BERT ids;
+* with ``--bert-feature-cache DIR`` (training and validation while BERT is frozen) also collates
+  ``net_input["bert_out"]``, BERT's precomputed features, from a memory map written once per split (see
+  :mod:`fairseq_ext.bert_jam.feature_cache`); generation always runs BERT live.
 
 ``transformers`` is imported lazily (inside functions), never at package import time.
 """
@@ -35,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 REMOVE_BPE_CHOICES = ChoiceEnum(["auto", "sentencepiece", "subword_nmt", "none"])
 DETOKENIZE_CHOICES = ChoiceEnum(["auto", "moses", "none"])
+FEATURE_DTYPE_CHOICES = ChoiceEnum(["float16", "float32"])
+FEATURE_LAYERS_CHOICES = ChoiceEnum(["auto", "last", "all"])
 META_NAME = "bert_input.{lang}.json"
 
 
@@ -49,15 +54,18 @@ def bert_input_prefix(data_path, split, src, tgt):
 
 class LanguagePairBertDataset(BaseWrapperDataset):
     """A :class:`~fairseq.data.LanguagePairDataset` whose batches also carry ``net_input["bert_input"]``
-    (right-padded with ``bert_pad``, in the batch order of the source)."""
+    (right-padded with ``bert_pad``, in the batch order of the source) and, when ``features`` (a
+    :class:`~fairseq_ext.bert_jam.feature_cache.FeatureCache`) is set, ``net_input["bert_out"]``: BERT's
+    precomputed features, B x T_bert x C (x L)."""
 
-    def __init__(self, dataset, bert, bert_pad):
+    def __init__(self, dataset, bert, bert_pad, features=None):
         super().__init__(dataset)
         if len(bert) != len(dataset):
             raise FairseqExtError(f"prepared BERT input has {len(bert)} sentences but the source has "
                                   f"{len(dataset)}; rerun python -m fairseq_ext.bert_jam.prepare")
         self.bert = bert
         self.bert_pad = bert_pad
+        self.features = features
 
     def __getitem__(self, index):
         item = self.dataset[index]
@@ -69,7 +77,10 @@ class LanguagePairBertDataset(BaseWrapperDataset):
         if len(samples) == 0 or "net_input" not in batch:
             return batch
         by_id = {s["id"]: s["bert"] for s in samples}
-        batch["net_input"]["bert_input"] = collate_bert([by_id[int(i)] for i in batch["id"]], self.bert_pad)
+        bert_input = collate_bert([by_id[int(i)] for i in batch["id"]], self.bert_pad)
+        batch["net_input"]["bert_input"] = bert_input
+        if self.features is not None:
+            batch["net_input"]["bert_out"] = self.features.batch(batch["id"].tolist(), bert_input.size(1))
         return batch
 
 
@@ -86,6 +97,17 @@ class TranslationBertConfig(TranslationConfig):
         "help": "detokenise the source before BERT (auto: moses unless the BPE is sentencepiece)"})
     bert_max_length: int = field(default=0, metadata={
         "help": "truncate BERT inputs to this many tokens (0: the model's limit, e.g. 512)"})
+    bert_feature_cache: Optional[str] = field(default=None, metadata={
+        "help": "while BERT is frozen (--bert-jam-phase 1 or 2): compute BERT's outputs (eval mode, no dropout) "
+                "for every sentence of a split once, keep them in this directory (one memory map per split, keyed "
+                "by the BERT weights, the layers, the dtype and the prepared BERT ids; a mismatch is refused) and "
+                "train/validate on them instead of running BERT on every batch; refused in phase 3; generation "
+                "runs BERT live. Needs the prepared BERT input (python -m fairseq_ext.bert_jam.prepare)"})
+    bert_feature_cache_dtype: FEATURE_DTYPE_CHOICES = field(default="float16", metadata={
+        "help": "dtype of the cached BERT features (float32: twice the size, exactly the live features)"})
+    bert_feature_cache_layers: FEATURE_LAYERS_CHOICES = field(default="auto", metadata={
+        "help": "BERT layers to cache: last (B_L, phase 1 at Eq. 11 / --bert-composition last), all (phase 2), "
+                "auto: what the model's layer compositions read when it is built"})
 
 
 @register_task("translation_bert", dataclass=TranslationBertConfig)
@@ -97,6 +119,7 @@ class TranslationBertTask(TranslationTask):
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
         self.building_from_checkpoint = False
+        self._feature_source = None  # (encoder, layers) once build_model has set up --bert-feature-cache
 
     def _bert_meta(self, data_path):
         path = os.path.join(data_path, META_NAME.format(lang=self.cfg.source_lang))
@@ -105,14 +128,15 @@ class TranslationBertTask(TranslationTask):
         with open(path) as f:
             return json.load(f)
 
-    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
-        super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
+    def _bert_shards(self, split, epoch=1, combine=False):
+        """(data path, its index, the prefixes of the prepared BERT ids of ``split``) as fairseq loads the split."""
         paths = utils.split_paths(self.cfg.data)
         if split != self.cfg.train_subset:
             paths = paths[:1]
-        data_path = paths[(epoch - 1) % len(paths)]
+        k_path = (epoch - 1) % len(paths)
+        data_path = paths[k_path]
         src, tgt = self.cfg.source_lang, self.cfg.target_lang
-        berts = []
+        prefixes = []
         for k in range(10_000):
             if k > 0 and not combine:  # as fairseq: valid1, test1 are subsets of their own, not shards
                 break
@@ -120,12 +144,24 @@ class TranslationBertTask(TranslationTask):
             prefix = bert_input_prefix(data_path, split_k, src, tgt)
             if not indexed_dataset.dataset_exists(prefix, impl="mmap"):
                 break
-            berts.append(data_utils.load_indexed_dataset(prefix, None, "mmap"))
+            prefixes.append(prefix)
+        return data_path, k_path, prefixes
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        super().load_dataset(split, epoch=epoch, combine=combine, **kwargs)
+        data_path, k_path, prefixes = self._bert_shards(split, epoch, combine)
+        src = self.cfg.source_lang
+        berts = [data_utils.load_indexed_dataset(p, None, "mmap") for p in prefixes]
         if not berts:
+            if self._feature_source is not None:
+                raise FairseqExtError(
+                    f"--bert-feature-cache: no prepared BERT input for split '{split}' in {data_path}; the cache is "
+                    f"computed from it: run python -m fairseq_ext.bert_jam.prepare {data_path} --source-lang {src} "
+                    f"--target-lang {self.cfg.target_lang} --bert-model-name NAME")
             logger.warning(
                 f"no prepared BERT input for split '{split}' in {data_path}: the model derives it from the "
                 "source tokens on every batch (slower in training); run python -m fairseq_ext.bert_jam."
-                f"prepare {data_path} --source-lang {src} --target-lang {tgt} --bert-model-name NAME")
+                f"prepare {data_path} --source-lang {src} --target-lang {self.cfg.target_lang} --bert-model-name NAME")
             return
         meta = self._bert_meta(data_path)
         if meta is None:
@@ -138,7 +174,58 @@ class TranslationBertTask(TranslationTask):
                            f"--bert-model-name is {self.cfg.bert_model_name}; the vocabulary sizes are checked")
         self._prepared_meta = meta
         bert = berts[0] if len(berts) == 1 else ConcatDataset(berts)
-        self.datasets[split] = LanguagePairBertDataset(self.datasets[split], bert, int(meta["pad_id"]))
+        ds = LanguagePairBertDataset(self.datasets[split], bert, int(meta["pad_id"]))
+        ds.cache_shards = (split, k_path, prefixes)
+        self.datasets[split] = ds
+        if self._feature_source is not None:
+            ds.features = self._features(split, k_path, prefixes, bert)
+
+    # -- --bert-feature-cache
+    def _features(self, split, k_path, prefixes, ids_dataset=None):
+        """The feature cache of a split (built once, under a lock; refused when it belongs to another run)."""
+        from fairseq_ext.bert_jam import feature_cache
+
+        encoder, layers = self._feature_source
+        if ids_dataset is None:
+            ds = [data_utils.load_indexed_dataset(p, None, "mmap") for p in prefixes]
+            ids_dataset = ds[0] if len(ds) == 1 else ConcatDataset(ds)
+        sizes = ids_dataset.sizes
+        hidden, n_layers = encoder._bert_dims
+        key = feature_cache.make_key(encoder.bert_digest(), layers, str(self.cfg.bert_feature_cache_dtype), hidden,
+                                     n_layers, encoder.bert_pad_id, sizes, prefixes)
+        name = split if len(utils.split_paths(self.cfg.data)) == 1 or split != self.cfg.train_subset \
+            else f"{split}.path{k_path}"
+        return feature_cache.open_or_build(str(self.cfg.bert_feature_cache), name, key, encoder.bert, ids_dataset,
+                                           sizes)
+
+    def _setup_feature_cache(self, model):
+        encoder = getattr(model, "encoder", None)
+        if encoder is None or not hasattr(encoder, "bert_trainable"):
+            raise FairseqExtError("--bert-feature-cache works with --arch bert_jam* only")
+        if encoder.bert_trainable:
+            raise FairseqExtError(
+                f"--bert-feature-cache {self.cfg.bert_feature_cache}: BERT is fine-tuned in phase 3 "
+                "(--bert-jam-phase 3), so its features change at every update and cannot be cached; drop "
+                "--bert-feature-cache in phase 3")
+        layers = str(self.cfg.bert_feature_cache_layers)
+        if layers == "auto":
+            layers = "last" if encoder.bert_last_only else "all"
+        self._feature_source = (encoder, layers)
+        logger.info(f"--bert-feature-cache {self.cfg.bert_feature_cache}: BERT's {layers} layer(s), "
+                    f"{self.cfg.bert_feature_cache_dtype}, eval mode (no dropout); training and validation use "
+                    "them instead of running BERT")
+        # the training split first, while the model is still float32 (before the trainer casts or moves it)
+        train = str(getattr(self.cfg, "train_subset", "train") or "train")
+        if train.startswith("${"):  # a config built outside fairseq's CLI
+            train = "train"
+        if train not in self.datasets:
+            _, k_path, prefixes = self._bert_shards(train, epoch=1, combine=True)
+            if prefixes:
+                self._features(train, k_path, prefixes)
+        for ds in self.datasets.values():  # splits loaded before the model
+            if isinstance(ds, LanguagePairBertDataset) and ds.features is None and hasattr(ds, "cache_shards"):
+                split, k_path, prefixes = ds.cache_shards
+                ds.features = self._features(split, k_path, prefixes, ds.bert)
 
     def build_model(self, cfg, from_checkpoint=False):
         self.building_from_checkpoint = from_checkpoint
@@ -156,6 +243,11 @@ class TranslationBertTask(TranslationTask):
             check_input_settings(input_settings(meta), derived,
                                  os.path.join(data_path, META_NAME.format(lang=self.cfg.source_lang)),
                                  f"the BERT input that {where} derive(s)")
+        if self.cfg.bert_feature_cache:
+            if from_checkpoint:  # fairseq-generate/-interactive, the hub: BERT runs live
+                logger.info("--bert-feature-cache is for training: generation runs BERT live")
+            else:
+                self._setup_feature_cache(model)
         return model
 
 
