@@ -9,11 +9,21 @@ references for sacreBLEU), the extra references the corpus has (``{valid,test}.e
 learned on train) and ``{train,valid,test}.spm.{de,en}`` (the BPE pieces, input of ``fairseq-preprocess``).
 Steps whose outputs exist are skipped, so a re-run is instant; a ``--out`` prepared from another corpus, BPE
 size or ``--max-test-lines`` is refused rather than mixed.
+
+``--extra-train DIR [DIR ...]`` appends extra training data to the training split: each DIR (or the name
+``ding-lexicon`` = data/ding-lexicon-de-en, ``libreoffice-help`` = data/libreoffice-help-de-en) holds
+``train.{de,en}.gz``; their lines follow the corpus's own training lines in ``train.{de,en}`` in the order given,
+so the BPE is learned on the combined training text. Valid and test stay the corpus's. The extra set is
+recorded in ``--out``/``train.extra`` (name, lines, sha256 of each DIR's train.de.gz and train.en.gz), and a
+``--out`` prepared with another extra set (or none) is refused::
+
+    python tools/prepare_bundled_corpus.py --corpus ding --extra-train ding-lexicon libreoffice-help --out work/data
 """
 
 import argparse
 import glob
 import gzip
+import hashlib
 import os
 import re
 import sys
@@ -23,12 +33,60 @@ NAMED_CORPORA = {"ding": os.path.join(DATA_DIR, "ding-de-en"), "bible": os.path.
 DEFAULT_CORPUS = NAMED_CORPORA["ding"]
 SPLITS = ("train", "valid", "test")
 LANGS = ("de", "en")
+NAMED_EXTRA_TRAIN = {"ding-lexicon": os.path.join(DATA_DIR, "ding-lexicon-de-en"),
+                     "libreoffice-help": os.path.join(DATA_DIR, "libreoffice-help-de-en")}
+EXTRA_RECORD = "train.extra"
 _EXTRA_REF = re.compile(r"^(valid|test)\.(de|en)-([A-Za-z0-9_]+)\.gz$")
 
 
 def resolve_corpus(corpus):
     """'ding' / 'bible' -> the bundled directory; anything else is a path."""
     return NAMED_CORPORA.get(corpus, corpus)
+
+
+def resolve_extra_train(extra):
+    """'ding-lexicon' / 'libreoffice-help' -> the bundled directory; anything else is a path."""
+    return NAMED_EXTRA_TRAIN.get(extra, extra)
+
+
+def _sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def extra_train_record(extra_dirs):
+    """The lines of train.extra for these extra training directories: name, line count, sha256 of the two files.
+    Refuses a directory without train.{de,en}.gz or with files of different line counts."""
+    record = []
+    for d in extra_dirs:
+        paths = [os.path.join(d, f"train.{lang}.gz") for lang in LANGS]
+        for path in paths:
+            if not os.path.isfile(path):
+                raise SystemExit(f"prepare_bundled_corpus: {path} is missing; --extra-train takes ding-lexicon, "
+                                 "libreoffice-help or directories of train.{de,en}.gz")
+        counts = [len(_read_gz(path)) for path in paths]
+        if counts[0] != counts[1]:
+            raise SystemExit(f"prepare_bundled_corpus: {d}: train.de.gz has {counts[0]} lines, train.en.gz "
+                             f"{counts[1]}")
+        record.append("\t".join([os.path.basename(os.path.normpath(d)), str(counts[0])]
+                                + [_sha256(path) for path in paths]) + "\n")
+    return record
+
+
+def _describe_extra(record):
+    """'ding-lexicon-de-en (374170 pairs), ...' for the lines of a train.extra."""
+    return ", ".join("{} ({} pairs)".format(*line.split("\t")[:2]) for line in record) or "none"
+
+
+def _recorded_extra(out):
+    path = os.path.join(out, EXTRA_RECORD)
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return f.readlines()
 
 
 def extra_references(corpus):
@@ -52,8 +110,9 @@ def _first_line(path):
         return f.readline()
 
 
-def check_existing(corpus, out, vocab_size, max_test_lines):
-    """Refuse an --out that holds another corpus, BPE size or test cut (its files would be reused)."""
+def check_existing(corpus, out, vocab_size, max_test_lines, extra_record=()):
+    """Refuse an --out that holds another corpus, BPE size, test cut or extra training set (its files would be
+    reused); extra_record: extra_train_record() of the --extra-train directories."""
     problems = []
     train_en = os.path.join(out, "train.en")
     if os.path.isfile(train_en):
@@ -73,12 +132,24 @@ def check_existing(corpus, out, vocab_size, max_test_lines):
             have = sum(1 for _ in f)
         if have != vocab_size:
             problems.append(f"its BPE has {have} pieces, not --vocab-size {vocab_size}")
+    if os.path.isfile(train_en) and _recorded_extra(out) != list(extra_record):
+        problems.append(f"its extra training data is {_describe_extra(_recorded_extra(out))}, not --extra-train "
+                        f"{_describe_extra(extra_record)} (or their files changed)")
     if problems:
         raise SystemExit(f"prepare_bundled_corpus: {out} was prepared differently ({'; '.join(problems)}); "
                          "use another --out or delete it")
 
 
-def unpack(corpus, out, max_test_lines=None):
+def unpack(corpus, out, max_test_lines=None, extra_train=(), extra_record=None):
+    """Write the plain-text splits; extra_train: directories whose train.{de,en}.gz follow the training lines
+    (their extra_train_record() goes to train.extra when the training files are written)."""
+    record_path = os.path.join(out, EXTRA_RECORD)
+    if not os.path.exists(os.path.join(out, "train.en")):
+        if extra_train:
+            with open(record_path, "w", encoding="utf-8") as g:
+                g.writelines(extra_record if extra_record is not None else extra_train_record(extra_train))
+        elif os.path.exists(record_path):
+            os.remove(record_path)  # left by an interrupted run with --extra-train
     files = [(split, lang) for split in SPLITS for lang in LANGS] + extra_references(corpus)
     for split, lang in files:
         src, dst = os.path.join(corpus, f"{split}.{lang}.gz"), os.path.join(out, f"{split}.{lang}")
@@ -87,6 +158,9 @@ def unpack(corpus, out, max_test_lines=None):
                              "of {train,valid,test}.{de,en}.gz")
         if not os.path.exists(dst):
             lines = _read_gz(src, max_test_lines if split == "test" else None)
+            if split == "train":
+                for d in extra_train:
+                    lines += _read_gz(os.path.join(d, f"train.{lang}.gz"))
             with open(dst + ".tmp", "w", encoding="utf-8") as g:
                 g.writelines(lines)
             os.replace(dst + ".tmp", dst)
@@ -144,19 +218,30 @@ def main(argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--max-test-lines", type=int, help="keep only the first N test sentences (quick checks)")
+    p.add_argument("--extra-train", nargs="+", default=[], metavar="DIR",
+                   help="extra training data appended to the training split: ding-lexicon "
+                        "(data/ding-lexicon-de-en), libreoffice-help (data/libreoffice-help-de-en) or directories "
+                        "of train.{de,en}.gz")
     args = p.parse_args(argv)
     corpus = resolve_corpus(args.corpus)
     if not os.path.isdir(corpus):
         raise SystemExit(f"prepare_bundled_corpus: --corpus '{args.corpus}' is neither ding, bible nor a directory")
+    extra_train = [resolve_extra_train(d) for d in args.extra_train]
+    for d in extra_train:
+        if not os.path.isdir(d):
+            raise SystemExit(f"prepare_bundled_corpus: --extra-train '{d}' is neither ding-lexicon, libreoffice-help "
+                             "nor a directory")
+    extra_record = extra_train_record(extra_train)
     os.makedirs(args.out, exist_ok=True)
-    check_existing(corpus, args.out, args.vocab_size, args.max_test_lines)
-    unpack(corpus, args.out, args.max_test_lines)
+    check_existing(corpus, args.out, args.vocab_size, args.max_test_lines, extra_record)
+    unpack(corpus, args.out, args.max_test_lines, extra_train, extra_record)
     model = learn_bpe(args.out, args.vocab_size)
     encode(args.out, model)
     sizes = ", ".join(f"{s} {count_lines(os.path.join(args.out, f'{s}.de'))}" for s in SPLITS)
     refs = sorted({name for _, name in extra_references(corpus)})
     print(f"prepared {args.out} from {corpus}: {sizes} sentence pairs; joint sentencepiece BPE {args.vocab_size}"
-          + (f"; extra references {', '.join(refs)}" if refs else ""))
+          + (f"; extra references {', '.join(refs)}" if refs else "")
+          + (f"; extra training data {_describe_extra(extra_record)}" if extra_record else ""))
 
 
 if __name__ == "__main__":
