@@ -258,12 +258,12 @@ def ding_heldout():
     return {s.casefold() for s in lexicon.heldout_sentences(DING)}
 
 
-@pytest.mark.parametrize("bundled, licences, n_min", [
-    (LEXICON, {"COPYRIGHT.ding": "License: GPL-2+"}, 300000),
+@pytest.mark.parametrize("bundled, licences, n_pairs", [
+    (LEXICON, {"COPYRIGHT.ding": "License: GPL-2+"}, 374124),
     (HELP, {"COPYRIGHT.libreoffice": "License: MPL-2.0", "LICENSE.MPL-2.0": "Mozilla Public License Version 2.0"},
-     20000),
+     27417),
 ])
-def test_bundled_extra_training_data(bundled, licences, n_min, ding_heldout):
+def test_bundled_extra_training_data(bundled, licences, n_pairs, ding_heldout):
     assert sorted(os.listdir(bundled)) == sorted(["PROVENANCE.md", "train.de.gz", "train.en.gz", *licences])
     for name, needle in licences.items():
         with open(os.path.join(bundled, name), encoding="utf-8") as f:
@@ -271,7 +271,7 @@ def test_bundled_extra_training_data(bundled, licences, n_min, ding_heldout):
     with open(os.path.join(bundled, "PROVENANCE.md"), encoding="utf-8") as f:
         provenance = f.read()
     n = int(re.search(r"^Pairs: train (\d+)", provenance, re.M).group(1))
-    assert n >= n_min
+    assert n == n_pairs
     assert re.search(r"\.deb`? \(sha256 [0-9a-f]{64}\)", provenance)
     assert re.search(r"^Built by `python tools/build_\w+\.py --out data/[\w-]+`\.$", provenance, re.M)
     de, en = read_gz(os.path.join(bundled, "train.de.gz")), read_gz(os.path.join(bundled, "train.en.gz"))
