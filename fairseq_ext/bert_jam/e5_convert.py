@@ -167,7 +167,7 @@ class _Reader:
 
     def take(self, n, what):
         if n < 0 or self.p + n > len(self.b):
-            raise self.fail(f"truncated: {what} needs {n} bytes at offset {self.p} but the file has "
+            raise self.fail(f"truncated: reading {what} needs {n} bytes at offset {self.p} but the file has "
                             f"{len(self.b)} bytes")
         out = self.b[self.p:self.p + n]
         self.p += n
