@@ -15,12 +15,16 @@ step in the same run (same batches, same drop-net draws):
   stacking BERT's L layers and composing them in every layer;
 * ``--bert-dropnet 0.5`` computes only the decoder branch it keeps (``skip_dropped_branch``);
 * beam search projects BERT's keys/values once per sentence at the first step (``project_per_sentence``);
-* checkpoint size of phase 1 (no frozen BERT) and phase 3 (fine-tuned BERT).
+* checkpoint size of phase 1 (no frozen BERT) and phase 3 (fine-tuned BERT);
+* ``--bert-feature-cache``: phases 1 and 2 on BERT features read from the memory-mapped cache (float16, the
+  default; B_L in phase 1, every layer in phase 2; the read, padding and cast are inside the timed step) vs
+  running the frozen BERT on every batch. ``--cache-only`` times just this (and the transformer).
 """
 
 import argparse
 import gzip
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -59,6 +63,8 @@ def main():
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--beam", type=int, default=4)
+    ap.add_argument("--cache-only", action="store_true",
+                    help="only the --bert-feature-cache comparison (phases 1-2, cached vs live)")
     a = ap.parse_args()
     torch.manual_seed(0)
     n = a.batch * 4
@@ -79,10 +85,12 @@ def main():
         tgt_rows = [tgt_dict.encode_line(s, add_if_not_exist=False).long() for s in de[sl]]
         tgt = data_utils.collate_tokens(tgt_rows, tgt_dict.pad())
         prev = data_utils.collate_tokens(tgt_rows, tgt_dict.pad(), move_eos_to_beginning=True)
-        bert = data_utils.collate_tokens([torch.tensor(x) for x in builder.encode(en[sl])], builder.pad_id)
+        bert_rows = [torch.tensor(x) for x in builder.encode(en[sl])]
+        bert = data_utils.collate_tokens(bert_rows, builder.pad_id)
         batches.append({"net_input": {"src_tokens": src, "src_lengths": src.ne(src_dict.pad()).sum(1),
                                       "prev_output_tokens": prev, "bert_input": bert},
-                        "target": tgt, "ntokens": int(tgt.ne(tgt_dict.pad()).sum())})
+                        "target": tgt, "ntokens": int(tgt.ne(tgt_dict.pad()).sum()), "bert_rows": bert_rows,
+                        "ids": list(range(b * a.batch, (b + 1) * a.batch))})
 
     dims = ["--encoder-embed-dim", str(a.dim), "--decoder-embed-dim", str(a.dim), "--encoder-ffn-embed-dim",
             str(4 * a.dim), "--decoder-ffn-embed-dim", str(4 * a.dim), "--encoder-layers", str(a.layers),
@@ -95,7 +103,7 @@ def main():
     targs = args_for("transformer", "translation")
     tasks = {"transformer": TranslationTask(targs, src_dict, tgt_dict)}
     models = {"transformer": tasks["transformer"].build_model(targs)}
-    for phase in (1, 2, 3, "2 dropnet"):
+    for phase in ((1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
         extra = ["--bert-dropnet", "0.5"] if phase == "2 dropnet" else []
         bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase",
                                                           str(phase)[0], *extra])
@@ -104,13 +112,36 @@ def main():
         models[f"bert_jam phase {phase}"] = BertJamModel.build_model(bargs, task)
     opts = {k: torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()}
 
+    # --bert-feature-cache: the features of the benchmark's sentences, written once as fairseq-train would
+    import tempfile
+
+    from fairseq_ext.bert_jam import feature_cache
+
+    caches = {}
+    cache_dir = tempfile.mkdtemp(prefix="bench_bert_cache_")
+    for phase in (1, 2):
+        enc = models[f"bert_jam phase {phase}"].encoder
+        ids = [x for b in batches for x in b["bert_rows"]]
+        sizes = [len(x) for x in ids]
+        hidden, n_layers = enc._bert_dims
+        key = dict(feature_cache.make_key(enc.bert_digest(), "last" if enc.bert_last_only else "all", "float16",
+                                          hidden, n_layers, enc.bert_pad_id, sizes, []))
+        caches[phase] = feature_cache.open_or_build(cache_dir, f"phase{phase}", key, enc.bert, ids, sizes)
+        nbytes = feature_cache.cache_bytes(key["tokens"], hidden, n_layers, key["layers"], "float16")
+        print(f"# cache phase {phase}: {key['layers']} layer(s), {key['tokens']} BERT tokens of {len(ids)} sentences "
+              f"-> {nbytes / 2 ** 20:.1f} MiB float16 ({nbytes / key['tokens'] / 1024:.2f} KiB per BERT token)")
+
     def step(name, batch):
+        cached = name.endswith(" cached")
+        name = name[: -len(" cached")] if cached else name
         m = models[name]
         m.train()
         ni = dict(batch["net_input"])
         if name == "transformer":
             ni.pop("bert_input")
         t0 = time.perf_counter()
+        if cached:  # what the collater adds from the memory map
+            ni["bert_out"] = caches[int(name[-1])].batch(batch["ids"], ni["bert_input"].size(1))
         out = m(**ni)
         lprobs = m.get_normalized_probs(out, log_probs=True)
         loss = torch.nn.functional.nll_loss(lprobs.view(-1, lprobs.size(-1)), batch["target"].view(-1),
@@ -121,7 +152,7 @@ def main():
         return time.perf_counter() - t0
 
     def set_paths(name, on):
-        m = models[name]
+        m = models[name.replace(" cached", "")]
         if name == "bert_jam phase 1":
             m.encoder.bert_last_only = on
         if name == "bert_jam phase 2 dropnet":
@@ -129,7 +160,9 @@ def main():
                 layer.skip_dropped_branch = on
 
     # contenders: (model, speed path on/off); the "off" variants are the code before the speed paths
-    contenders = [(k, True) for k in models] + [("bert_jam phase 1", False), ("bert_jam phase 2 dropnet", False)]
+    contenders = [(k, True) for k in models] + [("bert_jam phase 1 cached", True), ("bert_jam phase 2 cached", True)]
+    if not a.cache_only:
+        contenders += [("bert_jam phase 1", False), ("bert_jam phase 2 dropnet", False)]
     times = {c: [] for c in contenders}
     for i in range(a.steps + 1):
         for c in contenders:
@@ -143,6 +176,16 @@ def main():
     print(f"# bert_jam training cost, d={a.dim}, {a.layers}+{a.layers} layers, batch {a.batch} sentences "
           f"(~{batches[0]['ntokens']} target tokens), MiniLM-L6-H384 BERT, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); machine shared and loaded: compare ratios only")
+    tok = batches[0]["ntokens"]
+    for phase in (1, 2):
+        live = statistics.median(times[f"bert_jam phase {phase}", True])
+        cached = statistics.median(times[f"bert_jam phase {phase} cached", True])
+        print(f"--bert-feature-cache, phase {phase}: cached {cached * 1000:.1f} ms vs live {live * 1000:.1f} ms per step "
+              f"({tok / cached:.0f} vs {tok / live:.0f} tgt tok/s; transformer {tok / base:.0f}): x{live / cached:.2f} "
+              f"faster, x{cached / base:.2f} of the transformer's step")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    if a.cache_only:
+        return
     for name, m in models.items():
         total = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)

@@ -260,3 +260,23 @@ def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_
                                "--gen-subset", "test", "--beam", "2", "--max-len-b", "5", "--batch-size", "8",
                                "--num-workers", "0"]).stdout
     assert len(hypotheses(gen)) == 20
+
+
+@pytest.mark.parametrize("recipe", ["iwslt14_de_en", "wmt14_en_de"])
+def test_recipes_use_the_cache_in_phases_1_and_2_when_asked(recipe, tmp_path):
+    import shlex
+    import subprocess
+
+    from fairseq import options
+
+    from tests.helpers import ROOT
+
+    def phases(env):
+        out = subprocess.run(["bash", os.path.join(ROOT, "recipes", "bert_jam", f"{recipe}.sh"), "--dry-run"],
+                             capture_output=True, text=True, check=True, cwd=ROOT, env=dict(os.environ, **env)).stdout
+        lines = [shlex.split(x) for x in out.splitlines() if x.startswith("fairseq-train")]
+        return [options.parse_args_and_arch(options.get_training_parser(), x[1:]).bert_feature_cache for x in lines]
+
+    assert phases({"BERT_FEATURE_CACHE": ""}) == [None, None, None]  # opt-in
+    cache = str(tmp_path / "feats")
+    assert phases({"BERT_FEATURE_CACHE": cache}) == [f"{cache}/phase1", f"{cache}/phase2", None]

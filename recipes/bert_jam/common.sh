@@ -2,6 +2,10 @@
 # 3.2; official README), checkpoint averaging of the last 10 epochs and scoring. Sourced after a recipe has set
 #   SRC TGT ARCH BERT BIN TEXT SAVE  PHASE1_EPOCHS PHASE2_EPOCHS PHASE3_EPOCHS  UPDATE_FREQ
 #   GEN_ARGS (array)  COMPOUND_SPLIT (0/1)
+# and optionally BERT_FEATURE_CACHE=DIR (environment): phases 1 and 2 train on BERT features computed once
+# (--bert-feature-cache DIR/phase1: B_L only; DIR/phase2: every layer) instead of running the frozen BERT on
+# every batch. Size: BERT tokens x hidden x (1 or L) x 2 bytes, e.g. IWSLT'14 with bert-base ~7 GB for phase 1
+# but ~80 GB for phase 2 (WMT'14 with bert-large: ~0.26 TB / ~6 TB, so phase 1 at most); see docs/bert_jam.md.
 # Options:  --dry-run   print every command (one per line, shell-quoted) instead of running it
 #           --from-phase N   skip the phases before N (their checkpoints must exist)
 set -euo pipefail
@@ -58,11 +62,13 @@ start_from() {
 }
 
 # 1. warm-up: BERT and GLUs frozen (GLU output x2), train until convergence
+# --bert-feature-cache for the frozen-BERT phases (opt-in: BERT_FEATURE_CACHE=DIR)
+cache_for() { if [ -n "${BERT_FEATURE_CACHE:-}" ]; then echo "--bert-feature-cache $BERT_FEATURE_CACHE/$1"; fi; }
 [ "$FROM_PHASE" -le 1 ] && run fairseq-train "${COMMON[@]}" --bert-jam-phase 1 --save-dir "$SAVE/phase1" \
-  --max-epoch "$PHASE1_EPOCHS"
+  --max-epoch "$PHASE1_EPOCHS" $(cache_for phase1)
 # 2. GLUs trainable; continues phase 1's epoch counter and LR schedule, optimizer state reset
 [ "$FROM_PHASE" -le 2 ] && run fairseq-train "${COMMON[@]}" --bert-jam-phase 2 --save-dir "$SAVE/phase2" \
-  $(start_from phase1 phase2) --max-epoch "$PHASE2_EPOCHS"
+  $(start_from phase1 phase2) --max-epoch "$PHASE2_EPOCHS" $(cache_for phase2)
 # 3. fine-tune BERT (pooler excluded) for a fixed PHASE3_EPOCHS - PHASE2_EPOCHS (10) epochs, all of which step 4
 #    averages (no early stopping: it would leave fewer epoch checkpoints than are averaged)
 [ "$FROM_PHASE" -le 3 ] && run fairseq-train "${COMMON[@]}" --bert-jam-phase 3 --save-dir "$SAVE/phase3" \
