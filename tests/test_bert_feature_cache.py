@@ -5,6 +5,7 @@ are atomic and done once under concurrency; end to end through fairseq-train and
 import argparse
 import glob
 import os
+import pickle
 import shutil
 import threading
 
@@ -208,6 +209,7 @@ def test_build_is_atomic_and_done_once_when_two_start_at_once(letters_bin, tiny_
     with pytest.raises(KeyboardInterrupt):
         build(task, 1)
     assert sorted(os.listdir(cache)) == [".lock"]  # no half cache, no temporary file
+    open(os.path.join(cache, ".train.999999.tmp.npy"), "w").close()  # what a SIGKILLed build leaves
     calls = []
 
     def counted(*a, **k):
@@ -235,6 +237,8 @@ def test_build_is_atomic_and_done_once_when_two_start_at_once(letters_bin, tiny_
         t.join()
     assert not errors and len(out) == 2 and len(calls) == 1
     assert np.array_equal(out[0].rows(3), out[1].rows(3))
+    copy = pickle.loads(pickle.dumps(out[0]))  # as sent to a data-loader worker: reopens the memory map
+    assert copy._mm is None and np.array_equal(copy.rows(3), out[0].rows(3))
     assert not glob.glob(os.path.join(cache, "*tmp*"))
 
 

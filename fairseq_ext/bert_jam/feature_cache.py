@@ -20,7 +20,8 @@ running BERT (the model only accepts an optional precomputed tensor; it never im
   split (sentences, tokens and the SHA-256 of their ``.bin``/``.idx`` files). A cache that differs in any of
   them is refused with one line naming the directory and what differs.
 * **Atomic and concurrent.** A cache is written to a temporary file and renamed; the JSON, renamed last, marks
-  it complete, so a killed run leaves none (a ``.npy`` without its JSON is rebuilt). Building holds an
+  it complete, so a killed run leaves none (a ``.npy`` without its JSON is rebuilt, and the temporary file of a
+  killed build is deleted by the next build). Building holds an
   exclusive ``flock`` on ``DIR/.lock``: when several ranks or runs start at once, one builds and the others
   wait and then read it (``DIR`` must be on a file system with working ``flock``, e.g. local disk).
 """
@@ -28,6 +29,7 @@ running BERT (the model only accepts an optional precomputed tensor; it never im
 import contextlib
 import copy
 import fcntl
+import glob
 import hashlib
 import json
 import logging
@@ -251,6 +253,8 @@ def open_or_build(directory: str, name: str, key: Dict, bert, ids_dataset, sizes
                 logger.info(f"BERT feature cache: computing {key['layers']} layer(s) of BERT (eval mode) for "
                             f"'{name}' ({key['sentences']} sentences, {key['tokens']} BERT tokens, "
                             f"{size / 2 ** 20:.1f} MiB {key['dtype']}) into {npy}")
+                for old in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.*.tmp.npy")):
+                    os.remove(old)  # left by a killed build (we hold the lock: nobody else is writing it)
                 tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp.npy")
                 try:
                     arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=key["dtype"], shape=shape)
