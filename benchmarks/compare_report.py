@@ -9,7 +9,8 @@ import statistics
 
 from bench_sat import TARGETS as SAT_SPEEDUP_TARGETS  # (the SAT paper's batch-1 speed-ups)
 from compare_runner import CompareError
-from compare_specs import CORPUS_DESCRIPTION, RESULT_KEYS, SMOKE_LINES, SMOKE_VOCAB_SIZE, VOCAB_SIZE
+from compare_specs import (BERT_JAM_PHASE_SHARES, CORPUS_DESCRIPTION, EXTRA_REFS_DESCRIPTION, RESULT_KEYS,
+                           SMOKE_LINES, SMOKE_MAX_WORDS, SMOKE_VOCAB_SIZE, VOCAB_SIZE)
 
 
 def json_records(log, kind):
@@ -82,7 +83,9 @@ def ratios(results):
 
 
 COLUMNS = [("params", "params (M)", 1e-6, 2), ("train_tokens_per_s", "train tok/s", 1, 0),
-           ("peak_rss_mb", "peak MB", 1, 0), ("bleu_beam4", "BLEU beam 4", 1, 2), ("bleu_greedy", "BLEU greedy", 1, 2),
+           ("peak_rss_mb", "peak MB", 1, 0), ("bleu_valid_greedy", "valid BLEU greedy", 1, 2),
+           ("bleu_beam4", "BLEU beam 4", 1, 2), ("bleu_greedy", "BLEU greedy", 1, 2),
+           ("bleu_beam4_multiref", "BLEU beam 4, 3 refs", 1, 2),
            ("latency_b1_ms_greedy", "ms/sent b1 greedy", 1, 1), ("latency_b1_ms_beam4", "ms/sent b1 beam 4", 1, 1),
            ("throughput_b64_sent_s_greedy", "sent/s b64 greedy", 1, 1),
            ("throughput_b64_sent_s_beam4", "sent/s b64 beam 4", 1, 1)]
@@ -173,23 +176,41 @@ def pct(a, b):
     return f"{100 * a / b:.1f}%" if b else "n/a"
 
 
+def multiref(r, key="bleu_beam4"):
+    """' (X against the three English translations)' when the model was scored against them."""
+    v = r.get(f"{key}_multiref")
+    return f" ({v:.2f} against the three English translations)" if v is not None else ""
+
+
 def claims(results):
     """One measured sentence per claim of the papers (only for the models that were run)."""
     out = []
     base, base_ende = results.get("transformer"), results.get("transformer_en_de")
-    for k in (2, 4, 6):
-        r = results.get(f"sat_k{k}")
-        if r and base:
-            sp = {m: base[f"latency_b1_ms_{m}"] / r[f"latency_b1_ms_{m}"] for m in ("greedy", "beam4")}
-            within = base["bleu_beam4"] > 0 and r["bleu_beam4"] >= 0.99 * base["bleu_beam4"]
-            fast = sp["greedy"] >= SAT_SPEEDUP_TARGETS["greedy"][k] and sp["beam4"] >= SAT_SPEEDUP_TARGETS["beam4"][k]
-            out.append(
-                f"- **SAT K={k}**: BLEU (beam 4) {r['bleu_beam4']:.2f} is {pct(r['bleu_beam4'], base['bleu_beam4'])} "
-                f"of the teacher's {base['bleu_beam4']:.2f} (paper: K=2 within ~1%, larger K lose more): "
-                + ("within 1%" if within else "not within 1%")
-                + f"; batch-1 speed-up {sp['greedy']:.2f}x greedy / {sp['beam4']:.2f}x beam 4 (paper: "
-                f"{SAT_SPEEDUP_TARGETS['greedy'][k]}x / {SAT_SPEEDUP_TARGETS['beam4'][k]}x): "
-                + ("reached" if fast else "not reached") + " (speed-ups also depend on how long the outputs are).")
+    students = [results[f"sat_k{k}"] for k in (2, 4, 6) if f"sat_k{k}" in results]
+    if students and students[0].get("teacher") in results:
+        t = results[students[0]["teacher"]]
+        init = students[0].get("init_from", "transformer")
+        out.append(f"- **SAT teacher**: {t['label']}, the De->En model with the highest greedy BLEU on the valid set "
+                   f"({t['bleu_valid_greedy']:.2f}; the test set plays no part in the choice); the students are "
+                   "distilled from it (greedy decode of the training set) and initialised from "
+                   + ("it" if init == t["name"] else f"the {results[init]['label'] if init in results else init} "
+                      "(--sat-init-from reads only a transformer of the students' layout)")
+                   + ", as the paper does.")
+    for r in students:
+        k = int(r["name"][len("sat_k"):])
+        teacher = results.get(r.get("teacher", "transformer"), base)
+        if not (teacher and base):
+            continue
+        sp = {m: base[f"latency_b1_ms_{m}"] / r[f"latency_b1_ms_{m}"] for m in ("greedy", "beam4")}
+        within = teacher["bleu_beam4"] > 0 and r["bleu_beam4"] >= 0.99 * teacher["bleu_beam4"]
+        fast = sp["greedy"] >= SAT_SPEEDUP_TARGETS["greedy"][k] and sp["beam4"] >= SAT_SPEEDUP_TARGETS["beam4"][k]
+        out.append(
+            f"- **SAT K={k}**: BLEU (beam 4) {r['bleu_beam4']:.2f}{multiref(r)} is "
+            f"{pct(r['bleu_beam4'], teacher['bleu_beam4'])} of the teacher's {teacher['bleu_beam4']:.2f} "
+            "(paper: K=2 within ~1%, larger K lose more): " + ("within 1%" if within else "not within 1%")
+            + f"; batch-1 speed-up over the transformer baseline {sp['greedy']:.2f}x greedy / {sp['beam4']:.2f}x "
+            f"beam 4 (paper: {SAT_SPEEDUP_TARGETS['greedy'][k]}x / {SAT_SPEEDUP_TARGETS['beam4'][k]}x): "
+            + ("reached" if fast else "not reached") + " (speed-ups also depend on how long the outputs are).")
     m6, m12 = results.get("msc6"), results.get("msc12")
     if m6 and m12:
         d = m12["bleu_beam4"] - m6["bleu_beam4"]
@@ -205,9 +226,15 @@ def claims(results):
     bj = results.get("bert_jam")
     if bj and base_ende:
         d = bj["bleu_beam4"] - base_ende["bleu_beam4"]
-        out.append(f"- **BERT-JAM (phase 1) vs its transformer baseline, En->De**: {bj['bleu_beam4']:.2f} vs "
-                   f"{base_ende['bleu_beam4']:.2f} BLEU ({d:+.2f}; paper: gains of about 1-2 BLEU with all three "
-                   f"phases and a full-size BERT): " + ("a gain" if d > 0 else "no gain") + " here.")
+        phases = "; ".join(f"phase {p['phase']}: {p['updates']} updates, valid BLEU {p['bleu_valid_greedy']:.2f} "
+                           "(greedy)" for p in bj.get("phases", []))
+        shares = "/".join(f"{100 * x:.0f}" for x in BERT_JAM_PHASE_SHARES)
+        out.append(f"- **BERT-JAM (phases 1-3, MiniLM) vs its transformer baseline, En->De**: {bj['bleu_beam4']:.2f} "
+                   f"vs {base_ende['bleu_beam4']:.2f} BLEU ({d:+.2f}) after {bj['train_updates']} updates in all "
+                   f"against {base_ende['train_updates']} (the budget split {shares}% over phases 1/2/3"
+                   + (f"; {phases}; phase 3 valid BLEU {bj['bleu_valid_greedy']:.2f}" if phases else "")
+                   + "; paper: gains of about 1-2 BLEU with a full-size BERT): " + ("a gain" if d > 0 else "no gain")
+                   + " here.")
     fc = results.get("fconv_glu")
     if fc and base:
         d = fc["bleu_beam4"] - base["bleu_beam4"]
@@ -238,10 +265,11 @@ def write_results_md(path, out, figures):
     meta, results = out["meta"], out["models"]
     m = meta["machine"]
     sig = next((r["bleu_signature"] for r in results.values()), "")
+    sig3 = next((r["bleu_signature_multiref"] for r in results.values() if r.get("bleu_signature_multiref")), None)
     test_n = ", ".join(sorted({str(r["test_sentences"]) for r in results.values()}))
     base = results.get("transformer")
     lines = [
-        "# Results: every architecture on the bundled German-English corpus",
+        "# Results: every architecture on the bundled German-English Bible corpus",
         "",
         "Generated by `python benchmarks/compare.py` (" + ("**smoke mode: tiny models, meaningless numbers**; "
                                                           if meta["smoke"] else "") +
@@ -252,23 +280,34 @@ def write_results_md(path, out, figures):
         f"- Machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}, fairseq-fixed "
         f"{m['fairseq-fixed']}, sacreBLEU {m['sacrebleu']} (load average {m['load_average']:.1f} at the end).",
         f"- Data: {CORPUS_DESCRIPTION}, joint sentencepiece BPE {VOCAB_SIZE // 1000}k, as `examples/quickstart.sh`"
-        + (f" (smoke: the first {'/'.join(map(str, SMOKE_LINES.values()))} lines, BPE {SMOKE_VOCAB_SIZE})"
+        + (f" (smoke: the first {'/'.join(map(str, SMOKE_LINES.values()))} verses of at most {SMOKE_MAX_WORDS} words, "
+           f"BPE {SMOKE_VOCAB_SIZE})"
            if meta["smoke"] else "")
-        + f"; test sentences scored: {test_n}"
+        + f"; test sentences scored: {test_n}; De->En also scored against {EXTRA_REFS_DESCRIPTION} at once "
+        "(multi-reference BLEU, the '3 refs' column)"
         + (f"; distilling the training set for the SAT students took {meta['kd_minutes']:.1f} minutes"
            if meta["kd_minutes"] else "") + ".",
         f"- Budget: {meta['minutes_per_model']} wall-clock minutes of `fairseq-train` per model (`--stop-time-hours`)"
         + (f", at most {meta['max_update']} updates" if meta["max_update"] else "")
-        + f", torch threads: {meta['train_threads']}; the SAT students train on the training set distilled by the "
-        "averaged baseline (beam 4) and start from it. Each model is evaluated with the average of its newest two "
-        "epoch checkpoints and its last checkpoint.",
+        + f", torch threads: {meta['train_threads']}"
+        + (f"; planned total {fmt_minutes(60 * meta['planned_minutes'])}" if meta.get("planned_minutes") else "")
+        + "; the SAT students train on the training set distilled (greedy) by the teacher, the De->En model with "
+        "the best greedy valid BLEU" + (f" ({meta['sat_teacher']})" if meta.get("sat_teacher") else "")
+        + ", and start from it" + (f" (from {meta['sat_init_from']}: the teacher's layout is not a transformer's)"
+                                   if meta.get("sat_init_from") and meta.get("sat_init_from") != meta.get("sat_teacher")
+                                   else "")
+        + "; BERT-JAM runs its phases 1, 2 and 3 in sequence within its budget (phases 1-2 on precomputed MiniLM "
+        "features, --bert-feature-cache). Each model is evaluated with the average of its newest two epoch "
+        "checkpoints and its last checkpoint.",
         f"- Measurements (torch threads: {meta['eval_threads']}): sacreBLEU of the detokenised test output with "
-        f"beam 4 and greedy (outputs bounded to 1.2 x source + 10 tokens), `{sig}`; latency at batch 1 over the "
+        f"beam 4 and greedy (outputs bounded to 1.2 x source + 10 tokens), `{sig}`"
+        + (f" (3 refs: `{sig3}`)" if sig3 else "") + "; valid BLEU: greedy, single "
+        f"reference (what the SAT teacher is chosen by); latency at batch 1 over the "
         f"first {meta['latency_sentences']} test sentences; throughput at batch 64 over the test set (sorted by "
         "length); each model decodes with its task's generator (the SAT students with the package's semi-autoregressive "
         "generator, the others with fairseq's `SequenceGenerator`); train tokens/s = median of fairseq's `wps` "
         "(target tokens); peak memory = maximum RSS of the training process (which includes the ~350 MB of an "
-        "interpreter with torch and fairseq imported, as any `fairseq-train` has); parameters count every parameter (BERT-JAM's frozen MiniLM included; `params_trainable` "
+        "interpreter with torch and fairseq imported, as any `fairseq-train` has); parameters count every parameter (BERT-JAM's MiniLM included, fine-tuned in phase 3; `params_trainable` "
         "in results.json). Ratios in parentheses are model / transformer baseline of the same direction (for latency "
         "and memory, above 1 is worse; for the others, above 1 is more).",
         "",
@@ -278,8 +317,9 @@ def write_results_md(path, out, figures):
         "",
     ]
     if base:
-        lines += [f"The De->En transformer baseline reaches **{base['bleu_beam4']:.2f} BLEU** (beam 4) after "
-                  f"{base['train_updates']} updates in {meta['minutes_per_model']} minutes.", ""]
+        lines += [f"The De->En transformer baseline reaches **{base['bleu_beam4']:.2f} BLEU** (beam 4, test)"
+                  f"{multiref(base)} after {base['train_updates']} updates in {meta['minutes_per_model']} minutes.",
+                  ""]
     lines += ["## The papers' claims at this scale", ""] + (claims(results) or ["- (no comparable models were run)"])
     lines += ["", "## Figures", ""]
     for title, fig in figures.items():

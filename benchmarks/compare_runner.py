@@ -68,8 +68,16 @@ def _average(ckpt_dir, output):
     return {"averaged": [os.path.basename(p) for p in paths]}
 
 
-def _evaluate(ckpt, bin_dir, src, tgt, refs_path, latency_sentences, batch):
-    """Parameters, BLEU (greedy and beam 4) and decoding speed of one checkpoint, on the test set."""
+def _read_refs(path, n):
+    with open(path, encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f][:n]
+
+
+def _evaluate(ckpt, bin_dir, src, tgt, refs, latency_sentences, batch, valid_only=False):
+    """Parameters, BLEU and decoding speed of one checkpoint. ``refs``: {"test": path, "valid": path,
+    "test_extra": [paths], "valid_extra": [paths]} (the extra ones line-aligned further references: multi-reference
+    BLEU). The valid set is decoded greedily (``bleu_valid_greedy``: what the SAT teacher is chosen by); the test
+    set with beam 4 and greedy, timed. ``valid_only``: the valid BLEU alone (BERT-JAM's phase 1-2 checkpoints)."""
     from argparse import Namespace
 
     import torch
@@ -81,25 +89,13 @@ def _evaluate(ckpt, bin_dir, src, tgt, refs_path, latency_sentences, batch):
     models, _, task = checkpoint_utils.load_model_ensemble_and_task(
         [ckpt], arg_overrides={"data": bin_dir, "source_lang": src, "target_lang": tgt})
     model = models[0].eval()
-    task.load_dataset("test")
-    ds = task.dataset("test")
-    with open(refs_path, encoding="utf-8") as f:
-        refs = [line.rstrip("\n") for line in f][: len(ds)]
-    out = {"params": sum(p.numel() for p in model.parameters()),
-           "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
-           "test_sentences": len(ds), "latency_sentences": min(latency_sentences, len(ds))}
 
     def decode(gen, sample):
         with torch.no_grad():
             return task.inference_step(gen, [model], sample)
 
-    for name, beam in (("greedy", 1), ("beam4", 4)):
-        gen = task.build_generator([model], Namespace(beam=beam, lenpen=1.0, **GEN_BOUND))
-        decode(gen, ds.collater([ds[0]]))  # warm-up
-        t0 = time.perf_counter()
-        for i in range(out["latency_sentences"]):
-            decode(gen, ds.collater([ds[i]]))
-        out[f"latency_b1_ms_{name}"] = 1000 * (time.perf_counter() - t0) / max(1, out["latency_sentences"])
+    def translate(ds, gen):
+        """Hypotheses of the whole split in id order (batches of ``batch`` sorted by length), seconds decoding."""
         src_sizes = ds.src_sizes if hasattr(ds, "src_sizes") else ds.dataset.src_sizes  # BERT-JAM: a wrapper
         order = sorted(range(len(ds)), key=lambda i: src_sizes[i])
         hyps, elapsed = {}, 0.0
@@ -110,10 +106,41 @@ def _evaluate(ckpt, bin_dir, src, tgt, refs_path, latency_sentences, batch):
             elapsed += time.perf_counter() - t0
             for sid, h in zip(sample["id"].tolist(), outs):
                 hyps[sid] = task.target_dictionary.string(h[0]["tokens"], "sentencepiece")
-        out[f"throughput_b{batch}_sent_s_{name}"] = len(ds) / elapsed
+        return [hyps[i] for i in range(len(ds))], elapsed
+
+    def score(hyps, paths):
         bleu = BLEU()
-        out[f"bleu_{name}"] = bleu.corpus_score([hyps[i] for i in range(len(ds))], [refs]).score
-        out["bleu_signature"] = str(bleu.get_signature())
+        return bleu.corpus_score(hyps, [_read_refs(p, len(hyps)) for p in paths]).score, str(bleu.get_signature())
+
+    generators = {name: task.build_generator([model], Namespace(beam=beam, lenpen=1.0, **GEN_BOUND))
+                  for name, beam in (("greedy", 1), ("beam4", 4))}
+    out = {"params": sum(p.numel() for p in model.parameters()),
+           "params_trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    # valid (greedy): the model-selection number; the test set is not looked at for it
+    task.load_dataset("valid")
+    vds = task.dataset("valid")
+    hyps, _ = translate(vds, generators["greedy"])
+    out["valid_sentences"] = len(vds)
+    out["bleu_valid_greedy"], _ = score(hyps, [refs["valid"]])
+    if refs.get("valid_extra"):
+        out["bleu_valid_greedy_multiref"], _ = score(hyps, [refs["valid"]] + list(refs["valid_extra"]))
+    if valid_only:
+        return out
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    out.update({"test_sentences": len(ds), "latency_sentences": min(latency_sentences, len(ds))})
+    for name, gen in generators.items():
+        decode(gen, ds.collater([ds[0]]))  # warm-up
+        t0 = time.perf_counter()
+        for i in range(out["latency_sentences"]):
+            decode(gen, ds.collater([ds[i]]))
+        out[f"latency_b1_ms_{name}"] = 1000 * (time.perf_counter() - t0) / max(1, out["latency_sentences"])
+        hyps, elapsed = translate(ds, gen)
+        out[f"throughput_b{batch}_sent_s_{name}"] = len(ds) / elapsed
+        out[f"bleu_{name}"], out["bleu_signature"] = score(hyps, [refs["test"]])
+        if refs.get("test_extra"):
+            out[f"bleu_{name}_multiref"], out["bleu_signature_multiref"] = score(
+                hyps, [refs["test"]] + list(refs["test_extra"]))
     return out
 
 
