@@ -83,13 +83,15 @@ PLAN_TRAIN_START_MINUTES = 0.3  # per fairseq-train process: loading the data, b
 # per model: test set greedy + beam 4 at batch 64, batch-1 latency over 100 verses (x2), valid greedy; the Ding
 # run measured ~1 min per model, scaled by the verses' length
 PLAN_EVAL_MINUTES = 3.5
-# the SAT distillation: greedy decode of the 29,080 training verses by the d-128 teacher (batch 256, 2 threads);
-# Ding's 12,797 sentences took 2.5 min with beam 4 (greedy is ~2.2x faster at batch 64): x2.3 verses, x2.9 length,
-# plus ~1.5x for the longer incremental states, then binarisation
+# the SAT distillation: greedy decode of the 29,080 training verses by the d-128 teacher (batch 256, 2 threads).
+# Measured (2026-12-01, 1 thread, a random-init d-128 pre-norm transformer on every 28th training verse, Bible BPE
+# 8k): 15.6 CPU-minutes for the whole set, an upper bound, as the untrained model runs every output to the length
+# bound (2.2x the reference length; a trained teacher stops near it, ~7 min); plus the binarisation
 PLAN_KD_MINUTES = 13.0
-# one BERT feature cache (phase 1: B_L, phase 2: every layer): one eval-mode MiniLM pass over the ~0.9M WordPieces
-# of the training verses (the live MiniLM cost ~0.5 ms per target token in the Ding run's phase 1)
-PLAN_BERT_CACHE_MINUTES = 7.0
+# one BERT feature cache (phase 1: B_L, phase 2: every layer): one eval-mode MiniLM pass over the training verses.
+# Measured (same day, 1 thread, batches of 64 sorted verses, 33.7 WordPieces each): 10.1 CPU-minutes per pass;
+# 2 threads and the small valid split: planned at 8
+PLAN_BERT_CACHE_MINUTES = 8.0
 PLAN_BERT_PHASE_EVAL_MINUTES = 0.5  # valid greedy BLEU of the phase-1 and phase-2 checkpoints (extra information)
 PLAN_FIGURES_MINUTES = 2.0  # the SAT position-wise cross-entropy on valid, the plots
 
