@@ -13,16 +13,16 @@ fi
 if [ "$CORPUS" = bible ]; then
   DIMS=(--encoder-embed-dim 128 --decoder-embed-dim 128 --encoder-ffn-embed-dim 512 --decoder-ffn-embed-dim 512)
   BATCH=(--lr 0.002 --warmup-updates 200 --max-tokens 1024)
-  MAX_UPDATE=600 SAVE_EVERY=50 AVERAGE_LAST=5
+  MAX_UPDATE=600 SAVE_EVERY=50 AVERAGE_LAST=3 DROPOUT=0.0
 else
   DIMS=(--encoder-embed-dim 256 --decoder-embed-dim 256 --encoder-ffn-embed-dim 1024 --decoder-ffn-embed-dim 1024)
   BATCH=(--lr 0.002 --warmup-updates 400 --max-tokens 4096)
-  MAX_UPDATE=200 SAVE_EVERY=25 AVERAGE_LAST=3
+  MAX_UPDATE=200 SAVE_EVERY=25 AVERAGE_LAST=3 DROPOUT=0.1
 fi
 TRAIN_ARGS=(
   --bert-model-name "$MINILM" --bert-jam-phase 1
   --encoder-layers 3 --decoder-layers 3 "${DIMS[@]}" --encoder-attention-heads 4 --decoder-attention-heads 4
-  --share-all-embeddings --dropout 0.1 --attention-dropout 0.1
+  --share-all-embeddings --dropout "$DROPOUT" --attention-dropout "$DROPOUT"
   --optimizer adam --adam-betas '(0.9, 0.98)' --lr-scheduler inverse_sqrt "${BATCH[@]}"
   --clip-norm 0.0 --criterion label_smoothed_cross_entropy --label-smoothing 0.1
 )
