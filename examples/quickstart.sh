@@ -153,6 +153,13 @@ average_last() {
     kind=epoch
     n=$(ls "$ckpt" | grep -cE '^checkpoint[0-9]+\.pt$' || true)
   fi
+  if [ "$n" -lt "$AVERAGE_LAST" ] && [ -f "$ckpt/checkpoint_last.pt" ]; then
+    # fewer save points than asked for: the --minutes cap stopped training early, and checkpoint_last.pt (written
+    # at the stop) is newer than all of them
+    cp "$ckpt/checkpoint_last.pt" "$ckpt/checkpoint_avg.pt"
+    say "training stopped before its last save points: $ckpt/checkpoint_avg.pt is checkpoint_last.pt"
+    return
+  fi
   n=$(( n < AVERAGE_LAST ? n : AVERAGE_LAST ))
   if [ "$n" -ge 1 ]; then
     quiet "$LOGS/average-$(basename "$ckpt").log" python -m fairseq_ext.average_checkpoints --inputs "$ckpt" \

@@ -125,3 +125,24 @@ def test_quickstart_rejects_an_unknown_arch():
     proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--arch", "nope"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no settings for --arch 'nope'" in proc.stderr and "transformer" in proc.stderr
+
+
+def _run_average_last(ckpt_dir, average_last_n):
+    """Run quickstart.sh's average_last function alone (extracted from the script) on CKPT_DIR."""
+    script = open(os.path.join(ROOT, "examples", "quickstart.sh")).read()
+    body = script[script.index("average_last() {"):]
+    body = body[:body.index("\n}\n") + 3]
+    snippet = (f"set -euo pipefail\nsay() {{ printf '%s\\n' \"$*\"; }}\nquiet() {{ shift; \"$@\"; }}\n"
+               f"AVERAGE_LAST={average_last_n}\n{body}\naverage_last {ckpt_dir}\n")
+    return subprocess.run(["bash", "-c", snippet], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_average_last_uses_the_last_checkpoint_when_the_cap_stopped_training_early(tmp_path):
+    # the --minutes cap stopped training at update 1689, after one of the three save points (1600): averaging
+    # checkpoint_1_1600.pt alone would throw away the last 89 updates
+    (tmp_path / "checkpoint_1_1600.pt").write_bytes(b"update 1600")
+    (tmp_path / "checkpoint_last.pt").write_bytes(b"update 1689")
+    proc = _run_average_last(tmp_path, 3)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "checkpoint_avg.pt").read_bytes() == b"update 1689"
+    assert "training stopped before its last save points" in proc.stdout
