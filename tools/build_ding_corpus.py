@@ -171,11 +171,28 @@ def build(dict_path, out_dir, seed=1, valid_size=1000, test_size=1000, min_words
     return counts
 
 
+def add_source_args(parser, deb_help="the trans-de-en .deb file (default: apt-get download)"):
+    """--dict / --deb: where the Ding dictionary comes from (shared with build_ding_lexicon)."""
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--dict", help="the unpacked dictionary file (usr/share/trans/de-en)")
+    src.add_argument("--deb", help=deb_help)
+
+
+def open_source(args, tmp, tool):
+    """(dictionary path, copyright path or None, provenance note) from --dict, --deb or apt-get download into
+    TMP; TOOL names the tool in the error for a missing --deb."""
+    if args.dict:
+        return args.dict, None, f"dictionary file {os.path.basename(args.dict)}"
+    deb = args.deb or download_deb(tmp)
+    if not os.path.isfile(deb):
+        raise SystemExit(f"{tool}: --deb '{deb}' does not exist")
+    dict_path, copyright_path = extract_deb(deb, tmp)
+    return dict_path, copyright_path, f"Debian package file {os.path.basename(deb)} (sha256 {sha256(deb)})"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--dict", help="the unpacked dictionary file (usr/share/trans/de-en)")
-    src.add_argument("--deb", help="the trans-de-en .deb file")
+    add_source_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--valid-size", type=int, default=1000)
@@ -183,15 +200,7 @@ def main(argv=None):
     p.add_argument("--min-words", type=int, default=4)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        copyright_path = None
-        if args.dict:
-            dict_path, note = args.dict, f"dictionary file {os.path.basename(args.dict)}"
-        else:
-            deb = args.deb or download_deb(tmp)
-            if not os.path.isfile(deb):
-                raise SystemExit(f"build_ding_corpus: --deb '{deb}' does not exist")
-            dict_path, copyright_path = extract_deb(deb, tmp)
-            note = f"Debian package file {os.path.basename(deb)} (sha256 {sha256(deb)})"
+        dict_path, copyright_path, note = open_source(args, tmp, "build_ding_corpus")
         counts = build(dict_path, args.out, args.seed, args.valid_size, args.test_size, args.min_words,
                        note, copyright_path)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))

@@ -48,7 +48,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for tools.*
 from tools.build_ding_corpus import (  # noqa: E402
-    clean, download_deb, extract_deb, sentence_pairs, sha256, write_gz,
+    add_source_args, clean, open_source, sentence_pairs, sha256, write_gz,
 )
 
 DEFAULT_DING_CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "ding-de-en")
@@ -202,9 +202,7 @@ def build(dict_path, out_dir, ding_corpus=DEFAULT_DING_CORPUS, source_note="", c
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--dict", help="the unpacked dictionary file (usr/share/trans/de-en)")
-    src.add_argument("--deb", help="the trans-de-en .deb file (default: apt-get download)")
+    add_source_args(p)
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--ding-corpus", default=DEFAULT_DING_CORPUS,
                    help="the Ding sentence corpus whose valid/test sentences and training pairs are kept out "
@@ -212,15 +210,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     command = "python tools/build_ding_lexicon.py " + shlex.join(map(str, sys.argv[1:] if argv is None else argv))
     with tempfile.TemporaryDirectory() as tmp:
-        copyright_path = None
-        if args.dict:
-            dict_path, note = args.dict, f"dictionary file {os.path.basename(args.dict)}"
-        else:
-            deb = args.deb or download_deb(tmp)
-            if not os.path.isfile(deb):
-                raise SystemExit(f"build_ding_lexicon: --deb '{deb}' does not exist")
-            dict_path, copyright_path = extract_deb(deb, tmp)
-            note = f"Debian package file {os.path.basename(deb)} (sha256 {sha256(deb)})"
+        dict_path, copyright_path, note = open_source(args, tmp, "build_ding_lexicon")
         n, _ = build(dict_path, args.out, args.ding_corpus, note, copyright_path, command)
     print(f"wrote {args.out}: train {n}")
 
