@@ -56,18 +56,32 @@ def is_sentence(text, min_words):
     )
 
 
-def sentence_pairs(lines, min_words=4):
-    """Yield (german, english) sentence pairs from Ding dictionary lines, in file order."""
+def aligned_subentries(lines, stats=None):
+    """Yield (German sub-entries, English sub-entries) of each dictionary line whose sub-entries (`` | ``) align
+    one to one, in file order; comments and blank lines are skipped. STATS (a Counter), when given, counts
+    ``lines`` (yielded), ``lines_malformed`` (no single `` :: ``) and ``lines_unaligned``."""
     for line in lines:
         line = line.rstrip("\n")
         if not line or line.startswith("#"):
             continue
         sides = line.split(" :: ")
         if len(sides) != 2:
+            if stats is not None:
+                stats["lines_malformed"] += 1
             continue
         de_subs, en_subs = sides[0].split(" | "), sides[1].split(" | ")
         if len(de_subs) != len(en_subs):
-            continue  # sub-entries not aligned
+            if stats is not None:
+                stats["lines_unaligned"] += 1
+            continue
+        if stats is not None:
+            stats["lines"] += 1
+        yield de_subs, en_subs
+
+
+def sentence_pairs(lines, min_words=4):
+    """Yield (german, english) sentence pairs from Ding dictionary lines, in file order."""
+    for de_subs, en_subs in aligned_subentries(lines):
         for de_sub, en_sub in zip(de_subs, en_subs):
             de_alts = [clean(a) for a in de_sub.split(";")]
             en_alts = [clean(a) for a in en_sub.split(";")]

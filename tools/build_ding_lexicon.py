@@ -48,7 +48,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for tools.*
 from tools.build_ding_corpus import (  # noqa: E402
-    add_source_args, clean, open_source, sentence_pairs, sha256, write_gz,
+    add_source_args, aligned_subentries, clean, open_source, sentence_pairs, sha256, write_gz,
 )
 
 DEFAULT_DING_CORPUS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "ding-de-en")
@@ -106,19 +106,7 @@ def clean_entry(text):
 def lexicon_pairs(lines, stats=None):
     """Yield (german, english) for each aligned sub-entry: first alternative with first alternative, cleaned."""
     stats = stats if stats is not None else collections.Counter()
-    for line in lines:
-        line = line.rstrip("\n")
-        if not line or line.startswith("#"):
-            continue
-        sides = line.split(" :: ")
-        if len(sides) != 2:
-            stats["lines_malformed"] += 1
-            continue
-        de_subs, en_subs = sides[0].split(" | "), sides[1].split(" | ")
-        if len(de_subs) != len(en_subs):
-            stats["lines_unaligned"] += 1
-            continue
-        stats["lines"] += 1
+    for de_subs, en_subs in aligned_subentries(lines, stats):
         for de_sub, en_sub in zip(de_subs, en_subs):
             stats["subentries"] += 1
             de, en = clean_entry(first_alternative(de_sub)), clean_entry(first_alternative(en_sub))
