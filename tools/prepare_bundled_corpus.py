@@ -23,10 +23,12 @@ recorded in ``--out``/``train.extra`` (name, lines, sha256 of each DIR's train.d
 import argparse
 import glob
 import gzip
-import hashlib
 import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout, for tools.*
+from tools.build_ding_corpus import sha256  # noqa: E402  (file hash)
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 NAMED_CORPORA = {"ding": os.path.join(DATA_DIR, "ding-de-en"), "bible": os.path.join(DATA_DIR, "bible-de-en")}
@@ -49,14 +51,6 @@ def resolve_extra_train(extra):
     return NAMED_EXTRA_TRAIN.get(extra, extra)
 
 
-def _sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def extra_train_record(extra_dirs):
     """The lines of train.extra for these extra training directories: name, line count, sha256 of the two files.
     Refuses a directory without train.{de,en}.gz or with files of different line counts."""
@@ -72,7 +66,7 @@ def extra_train_record(extra_dirs):
             raise SystemExit(f"prepare_bundled_corpus: {d}: train.de.gz has {counts[0]} lines, train.en.gz "
                              f"{counts[1]}")
         record.append("\t".join([os.path.basename(os.path.normpath(d)), str(counts[0])]
-                                + [_sha256(path) for path in paths]) + "\n")
+                                + [sha256(path) for path in paths]) + "\n")
     return record
 
 
