@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # fairseq-ext quickstart: train and translate German->English on a bundled corpus, on CPU, in minutes.
 #
-#   bash examples/quickstart.sh [--corpus bible|ding] [--arch NAME] [--max-update N] [--minutes M]
-#                               [--workdir DIR] [--direction de-en|en-de] [--smoke]
+#   bash examples/quickstart.sh [--corpus bible|ding] [--arch NAME] [--from-scratch] [--max-update N]
+#                               [--minutes M] [--workdir DIR] [--direction de-en|en-de] [--spm-model FILE] [--smoke]
 #
 #   --corpus      bible (default): 29k German-English Bible verse pairs (Elberfelder 1932 -> World English
 #                 Bible), valid = John and 1-3 John, test = Acts, with the KJV and the Bible in Basic English as
 #                 extra test references (data/bible-de-en); ding: 12.8k example sentences of the Ding dictionary
 #   --arch        transformer (fairseq's own, default) or a model of this package: fconv_glu, msc_transformer,
 #                 sat_transformer, bert_jam; each arch's settings live in examples/quickstart/<arch>.sh
-#   --max-update  training length in updates (default: the arch's, sized for about 6 minutes on 2 idle cores)
+#   --from-scratch  train from random weights; by default the model continues training from the release
+#                 checkpoint of releases/CORPUS-SRC-TGT/ when there is one for the arch (trained by
+#                 tools/train_release.py, checked against its sha256; the console says which)
+#   --max-update  training length in updates (default: the arch's: from scratch sized for about 6 minutes on 2
+#                 idle cores, from a release a short continuation)
 #   --minutes     cap on the training wall-clock, a safety net for slow or busy machines (default 8)
 #   --workdir     data, checkpoints, outputs and logs (default work/quickstart, work/quickstart-ding for
 #                 --corpus ding); a re-run reuses what is there
 #   --direction   de-en (default) or en-de
+#   --spm-model   encode with this sentencepiece model instead of learning one (a release's uses its own)
 #   --smoke       a fast check that every step runs (20 updates, the first 100 test sentences, outputs cut at
 #                 16 tokens); used by the tests
 #
-# Steps: unpack the corpus and learn a joint sentencepiece BPE, fairseq-preprocess, fairseq-train with
+# Steps: unpack the corpus and learn a joint sentencepiece BPE (or take the release's), fairseq-preprocess (with
+# the release's dictionary), fairseq-train with
 # --user-dir fairseq_ext, average the last checkpoints, fairseq-generate the test set and score it with sacreBLEU
 # (detokenized, with its signature; multi-reference too where the corpus has extra references), then translate
 # three sentences with fairseq-interactive. The console shows one line per step and the key figures; the full
@@ -32,6 +38,8 @@ MAX_UPDATE_OPT=""
 WORKDIR=""
 DIRECTION=""
 SMOKE=0
+FROM_SCRATCH=0
+SPM_MODEL=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --arch) ARCH="$2"; shift 2 ;;
@@ -41,7 +49,9 @@ while [ $# -gt 0 ]; do
     --workdir) WORKDIR="$2"; shift 2 ;;
     --direction) DIRECTION="$2"; shift 2 ;;
     --smoke) SMOKE=1; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    --from-scratch) FROM_SCRATCH=1; shift ;;
+    --spm-model) SPM_MODEL="$2"; shift 2 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "quickstart.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -76,6 +86,12 @@ BPE_SIZE=8000        # joint sentencepiece BPE, shared by every arch of a work d
 MAX_UPDATE=1000      # training length; --max-update overrides
 SAVE_EVERY=100       # a checkpoint every SAVE_EVERY updates (only the last AVERAGE_LAST are written)
 AVERAGE_LAST=3       # step 4 averages the last AVERAGE_LAST checkpoints
+# continuing from a release checkpoint (releases/): RELEASE_UPDATES updates (--max-update overrides), the
+# learning rate warmed up to RELEASE_LR in RELEASE_WARMUP updates and decayed linearly to 0 at the last update
+# (fresh optimizer state: a release has none); an arch file sets RELEASE_LR to about its lr at the release's end
+RELEASE_UPDATES=600
+RELEASE_LR=0.0005
+RELEASE_WARMUP=50
 EXTRA_REF_NAMES=(kjv bbe)  # extra references of the test set for multi-reference BLEU (target English)
 REF_LABEL="WEB+KJV+BBE"
 DEMO_DE=("Und der König sandte Boten in die Stadt und ließ das Volk versammeln."
@@ -94,12 +110,31 @@ fi
 # shellcheck source=/dev/null
 source "$ARCH_FILE"
 if [ -n "$DIRECTION" ]; then SRC="${DIRECTION%-*}"; TGT="${DIRECTION#*-}"; fi
+RELEASE_DIR="$ROOT/releases/$CORPUS-$SRC-$TGT"
+RELEASE_PT=""
+SUFFIX=""
+RELEASE_NAME="${RELEASE_NAME:-$ARCH}"  # the model's name in the release's manifest (an arch file may set it)
+if [ "$FROM_SCRATCH" = 0 ] && [ -f "$RELEASE_DIR/MANIFEST.json" ] && python -c "import json, sys
+sys.exit(sys.argv[2] not in json.load(open(sys.argv[1]))['models'])" "$RELEASE_DIR/MANIFEST.json" "$RELEASE_NAME"; then
+  if ! RELEASE_PT="$(python -m fairseq_ext.release verify --release-dir "$RELEASE_DIR" --name "$RELEASE_NAME")"; then
+    exit 1  # the one-line reason is on stderr
+  fi
+  SPM_MODEL="$RELEASE_DIR/spm.model"
+  SUFFIX="-release"
+  MAX_UPDATE="$RELEASE_UPDATES"
+fi
 if [ -n "$MAX_UPDATE_OPT" ]; then MAX_UPDATE="$MAX_UPDATE_OPT"; fi
+if [ -n "$RELEASE_PT" ]; then
+  SAVE_EVERY=$(( MAX_UPDATE / 6 > 0 ? MAX_UPDATE / 6 : 1 ))
+  TRAIN_ARGS+=(--lr-scheduler polynomial_decay --lr "$RELEASE_LR" --warmup-updates "$RELEASE_WARMUP"
+               --total-num-update "$MAX_UPDATE" --end-learning-rate 0)
+fi
 if [ "$TGT" != en ]; then  # the extra references are English
   EXTRA_REF_NAMES=()
   if [ "$CORPUS" = bible ]; then REF_LABEL="Elberfelder"; fi
 fi
 PREP_ARGS=()
+if [ -n "$SPM_MODEL" ]; then PREP_ARGS+=(--spm-model "$SPM_MODEL"); fi
 if [ "$SMOKE" = 1 ]; then
   PREP_ARGS+=(--max-test-lines 100)
   GEN_ARGS+=(--max-len-a 0 --max-len-b 16)
@@ -111,10 +146,11 @@ if [ -z "$WORKDIR" ]; then
   WORKDIR="$ROOT/work/quickstart"
   if [ "$CORPUS" != bible ]; then WORKDIR="$WORKDIR-$CORPUS"; fi
 fi
-DATA="$WORKDIR/data"
-BIN="$WORKDIR/bin-$SRC-$TGT"
-CKPT="$WORKDIR/checkpoints/$ARCH-$SRC-$TGT"
-OUTDIR="$WORKDIR/out/$ARCH-$SRC-$TGT"
+# a run from a release keeps its data (the release's BPE and dictionary), checkpoints and outputs apart
+DATA="$WORKDIR/data$SUFFIX"
+BIN="$WORKDIR/bin-$SRC-$TGT$SUFFIX"
+CKPT="$WORKDIR/checkpoints/$ARCH-$SRC-$TGT$SUFFIX"
+OUTDIR="$WORKDIR/out/$ARCH-$SRC-$TGT$SUFFIX"
 LOGS="$WORKDIR/logs"
 mkdir -p "$DATA" "$CKPT" "$OUTDIR" "$LOGS"
 
@@ -175,7 +211,12 @@ bleu_line() { python -c "import json, sys; d = json.load(open(sys.argv[1])); pri
 SECONDS=0
 
 echo "quickstart: --arch $ARCH, $SRC->$TGT, --corpus $CORPUS; work dir $WORKDIR (logs in $LOGS)"
-step "1/6 corpus ($CORPUS) and joint sentencepiece BPE (${BPE_SIZE})"
+if [ -n "$RELEASE_PT" ]; then
+  say "starting from the release checkpoint $RELEASE_PT: $(python -c "import json, sys; m = json.load(open(sys.argv[1]))['models'][sys.argv[2]]; print(m.get('summary') or f\"{m['num_updates']} updates\")" "$RELEASE_DIR/MANIFEST.json" "$RELEASE_NAME") (sha256 checked; --from-scratch trains from random weights)"
+  step "1/6 corpus ($CORPUS) with the release's sentencepiece BPE"
+else
+  step "1/6 corpus ($CORPUS) and joint sentencepiece BPE (${BPE_SIZE})"
+fi
 quiet "$LOGS/prepare.log" python tools/prepare_bundled_corpus.py --corpus "$CORPUS" --out "$DATA" \
   --vocab-size "$BPE_SIZE" "${PREP_ARGS[@]}"
 say "$(sed -n 's/^prepared .* from \(.*\): \(.*\)$/\2 (\1)/p' "$LOGS/prepare.log")  [$(took)]"
@@ -183,20 +224,31 @@ say "$(sed -n 's/^prepared .* from \(.*\): \(.*\)$/\2 (\1)/p' "$LOGS/prepare.log
 if [ ! -f "$BIN/.done" ]; then
   step "2/6 fairseq-preprocess into $BIN"
   rm -rf "$BIN"
-  quiet "$LOGS/preprocess-$SRC-$TGT.log" fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
+  DICT_ARGS=()
+  if [ -n "$RELEASE_PT" ]; then DICT_ARGS=(--srcdict "$RELEASE_DIR/dict.txt"); fi
+  quiet "$LOGS/preprocess-$SRC-$TGT$SUFFIX.log" fairseq-preprocess --source-lang "$SRC" --target-lang "$TGT" \
     --trainpref "$DATA/train.spm" --validpref "$DATA/valid.spm" --testpref "$DATA/test.spm" \
-    --destdir "$BIN" --joined-dictionary --workers 2
+    --destdir "$BIN" --joined-dictionary --workers 2 "${DICT_ARGS[@]}"
   touch "$BIN/.done"
-  say "joined dictionary of $(grep -oE "\[$SRC\] Dictionary: [0-9]+ types" "$LOGS/preprocess-$SRC-$TGT.log" | head -n 1 | grep -oE '[0-9]+') types  [$(took)]"
+  say "joined dictionary of $(grep -oE "\[$SRC\] Dictionary: [0-9]+ types" "$LOGS/preprocess-$SRC-$TGT$SUFFIX.log" | head -n 1 | grep -oE '[0-9]+') types  [$(took)]"
 else
   step "2/6 binarised data already in $BIN"
 fi
 
-if declare -F arch_prepare >/dev/null; then arch_prepare; fi
+if [ -n "$RELEASE_PT" ]; then
+  if declare -F arch_prepare_release >/dev/null; then arch_prepare_release; fi
+elif declare -F arch_prepare >/dev/null; then
+  arch_prepare
+fi
 
 if [ ! -f "$CKPT/.done" ]; then
-  step "3/6 fairseq-train --arch $ARCH: $MAX_UPDATE updates (at most $MINUTES minutes), checkpoints in $CKPT"
-  train_model "$BIN" "$CKPT" "$LOGS/train-$ARCH-$SRC-$TGT.log" --task "$TASK" --arch "$ARCH" "${TRAIN_ARGS[@]}"
+  if [ -n "$RELEASE_PT" ]; then
+    step "3/6 fairseq-train --arch $ARCH: $MAX_UPDATE more updates from the release (at most $MINUTES minutes), checkpoints in $CKPT"
+    TRAIN_ARGS+=(--finetune-from-model "$RELEASE_PT")
+  else
+    step "3/6 fairseq-train --arch $ARCH: $MAX_UPDATE updates (at most $MINUTES minutes), checkpoints in $CKPT"
+  fi
+  train_model "$BIN" "$CKPT" "$LOGS/train-$ARCH-$SRC-$TGT$SUFFIX.log" --task "$TASK" --arch "$ARCH" "${TRAIN_ARGS[@]}"
   touch "$CKPT/.done"
 else
   step "3/6 model already trained in $CKPT (delete it to retrain)"
@@ -206,7 +258,7 @@ step "4/6 average the last $AVERAGE_LAST checkpoints"
 average_last "$CKPT"
 
 step "5/6 fairseq-generate the test set (${GEN_ARGS[*]}) and score it with sacreBLEU"
-quiet "$LOGS/generate-test-$ARCH-$SRC-$TGT.log" fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" \
+quiet "$LOGS/generate-test-$ARCH-$SRC-$TGT$SUFFIX.log" fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" \
   --task "$TASK" --source-lang "$SRC" --target-lang "$TGT" --path "$CKPT/checkpoint_avg.pt" --gen-subset test \
   --batch-size 64 --remove-bpe sentencepiece --num-workers 0 "${GEN_ARGS[@]}" \
   --results-path "$OUTDIR"
@@ -226,10 +278,10 @@ say "hypotheses in $OUTDIR/test.hyp, scores in $OUTDIR/bleu*.json  [$(took)]"
 step "6/6 fairseq-interactive on three sentences"
 if [ "$SRC" = de ]; then DEMO=("${DEMO_DE[@]}"); else DEMO=("${DEMO_EN[@]}"); fi
 printf '%s\n' "${DEMO[@]}" > "$OUTDIR/interactive.$SRC"
-quiet "$LOGS/interactive-$ARCH-$SRC-$TGT.log" fairseq-interactive "$BIN" --user-dir "$ROOT/fairseq_ext" \
+quiet "$LOGS/interactive-$ARCH-$SRC-$TGT$SUFFIX.log" fairseq-interactive "$BIN" --user-dir "$ROOT/fairseq_ext" \
   --task "$TASK" --source-lang "$SRC" --target-lang "$TGT" --path "$CKPT/checkpoint_avg.pt" --bpe sentencepiece \
   --sentencepiece-model "$DATA/spm.model" --num-workers 0 --input "$OUTDIR/interactive.$SRC" "${GEN_ARGS[@]}"
-grep -P '^D-[0-9]+\t' "$LOGS/interactive-$ARCH-$SRC-$TGT.log" | sed 's/^D-//' | sort -n -k1,1 | cut -f3 \
+grep -P '^D-[0-9]+\t' "$LOGS/interactive-$ARCH-$SRC-$TGT$SUFFIX.log" | sed 's/^D-//' | sort -n -k1,1 | cut -f3 \
   > "$OUTDIR/interactive.$TGT"
 paste -d '\n' <(sed 's/^/source: /' "$OUTDIR/interactive.$SRC") <(sed 's/^/   -> /' "$OUTDIR/interactive.$TGT") \
   | tee "$OUTDIR/interactive.txt"

@@ -104,7 +104,8 @@ def test_install_cpu_path_refuses_torchaudio_and_pins_torch(tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_smoke_runs_every_step_and_reuses_its_work(tmp_path):
-    cmd = ["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--smoke", "--workdir", str(tmp_path)]
+    cmd = ["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--smoke", "--from-scratch", "--workdir",
+           str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
@@ -119,6 +120,30 @@ def test_quickstart_smoke_runs_every_step_and_reuses_its_work(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert "binarised data already in" in again.stdout and "model already trained" in again.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_smoke_from_the_release_continues_its_training(tmp_path):
+    """The default path: the release's BPE and dictionary, training continued from the release checkpoint (so the
+    valid loss after 20 updates is that of a trained model), outputs kept apart from a --from-scratch run."""
+    manifest = os.path.join(ROOT, "releases", "bible-de-en", "MANIFEST.json")
+    if not os.path.isfile(manifest):
+        pytest.skip("no bible-de-en release")
+    cmd = ["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--smoke", "--workdir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert "starting from the release checkpoint" in out and "sha256 checked" in out
+    assert "more updates from the release" in out
+    assert (tmp_path / "data-release" / "spm.model").read_bytes() == open(
+        os.path.join(ROOT, "releases", "bible-de-en", "spm.model"), "rb").read()
+    assert (tmp_path / "bin-de-en-release" / "dict.en.txt").read_text() == open(
+        os.path.join(ROOT, "releases", "bible-de-en", "dict.txt")).read()
+    valid_loss = float(re.search(r"trained 20 updates .*valid loss ([\d.]+)", out).group(1))
+    assert valid_loss < 5.0, out  # from random weights it is above 9 after 20 updates
+    bleu = json.loads(open(tmp_path / "out" / "transformer-de-en-release" / "bleu.json").read())
+    assert bleu["score"] > 10, bleu  # the release translates (outputs cut at 16 tokens in --smoke)
+    assert not (tmp_path / "out" / "transformer-de-en").exists()
 
 
 def test_quickstart_rejects_an_unknown_arch():

@@ -18,6 +18,10 @@ recorded in ``--out``/``train.extra`` (name, lines, sha256 of each DIR's train.d
 ``--out`` prepared with another extra set (or none) is refused::
 
     python tools/prepare_bundled_corpus.py --corpus ding --extra-train ding-lexicon libreoffice-help --out work/data
+
+``--spm-model FILE`` encodes with a given sentencepiece model instead of learning one (a release checkpoint's
+``spm.model``, releases/): FILE is copied to ``--out``/``spm.model``, and a ``--out`` that holds another model
+is refused. ``--vocab-size`` is then ignored.
 """
 
 import argparse
@@ -104,9 +108,9 @@ def _first_line(path):
         return f.readline()
 
 
-def check_existing(corpus, out, vocab_size, max_test_lines, extra_record=()):
-    """Refuse an --out that holds another corpus, BPE size, test cut or extra training set (its files would be
-    reused); extra_record: extra_train_record() of the --extra-train directories."""
+def check_existing(corpus, out, vocab_size, max_test_lines, extra_record=(), spm_model=None):
+    """Refuse an --out that holds another corpus, BPE size (or --spm-model), test cut or extra training set (its
+    files would be reused); extra_record: extra_train_record() of the --extra-train directories."""
     problems = []
     train_en = os.path.join(out, "train.en")
     if os.path.isfile(train_en):
@@ -121,7 +125,15 @@ def check_existing(corpus, out, vocab_size, max_test_lines, extra_record=()):
         if have != want:
             problems.append(f"its test set has {have} lines, not {want} (--max-test-lines)")
     vocab = os.path.join(out, "spm.vocab")
-    if os.path.isfile(vocab):
+    have_model = os.path.join(out, "spm.model")
+    if spm_model is not None:
+        if os.path.isfile(have_model) and sha256(have_model) != sha256(spm_model):
+            problems.append(f"its spm.model is not --spm-model {spm_model}")
+        elif not os.path.isfile(have_model) and os.path.isfile(vocab):
+            problems.append("its BPE was learned, not given by --spm-model")
+    elif os.path.isfile(have_model) and not os.path.isfile(vocab):
+        problems.append("its BPE was given by --spm-model, not learned")
+    elif os.path.isfile(vocab):
         with open(vocab, encoding="utf-8") as f:
             have = sum(1 for _ in f)
         if have != vocab_size:
@@ -182,6 +194,17 @@ def learn_bpe(out, vocab_size):
     return prefix + ".model"
 
 
+def copy_bpe(out, spm_model):
+    """--spm-model: out/spm.model is a copy of the given model (no spm.vocab: nothing was learned here)."""
+    import shutil
+
+    dst = os.path.join(out, "spm.model")
+    if not os.path.exists(dst):
+        shutil.copyfile(spm_model, dst + ".tmp")
+        os.replace(dst + ".tmp", dst)
+    return dst
+
+
 def encode(out, model):
     import sentencepiece as spm
 
@@ -216,6 +239,8 @@ def main(argv=None):
                    help="extra training data appended to the training split: ding-lexicon "
                         "(data/ding-lexicon-de-en), libreoffice-help (data/libreoffice-help-de-en) or directories "
                         "of train.{de,en}.gz")
+    p.add_argument("--spm-model", metavar="FILE",
+                   help="encode with this sentencepiece model (e.g. a release's spm.model) instead of learning one")
     args = p.parse_args(argv)
     corpus = resolve_corpus(args.corpus)
     if not os.path.isdir(corpus):
@@ -225,15 +250,22 @@ def main(argv=None):
         if not os.path.isdir(d):
             raise SystemExit(f"prepare_bundled_corpus: --extra-train '{d}' is neither ding-lexicon, libreoffice-help "
                              "nor a directory")
+    if args.spm_model is not None and not os.path.isfile(args.spm_model):
+        raise SystemExit(f"prepare_bundled_corpus: --spm-model {args.spm_model} does not exist")
     extra_record = extra_train_record(extra_train)
     os.makedirs(args.out, exist_ok=True)
-    check_existing(corpus, args.out, args.vocab_size, args.max_test_lines, extra_record)
+    check_existing(corpus, args.out, args.vocab_size, args.max_test_lines, extra_record, args.spm_model)
     unpack(corpus, args.out, args.max_test_lines, extra_train, extra_record)
-    model = learn_bpe(args.out, args.vocab_size)
+    if args.spm_model is not None:
+        model = copy_bpe(args.out, args.spm_model)
+        bpe = f"sentencepiece model {args.spm_model}"
+    else:
+        model = learn_bpe(args.out, args.vocab_size)
+        bpe = f"joint sentencepiece BPE {args.vocab_size}"
     encode(args.out, model)
     sizes = ", ".join(f"{s} {count_lines(os.path.join(args.out, f'{s}.de'))}" for s in SPLITS)
     refs = sorted({name for _, name in extra_references(corpus)})
-    print(f"prepared {args.out} from {corpus}: {sizes} sentence pairs; joint sentencepiece BPE {args.vocab_size}"
+    print(f"prepared {args.out} from {corpus}: {sizes} sentence pairs; {bpe}"
           + (f"; extra references {', '.join(refs)}" if refs else "")
           + (f"; extra training data {_describe_extra(extra_record)}" if extra_record else ""))
 

@@ -7,7 +7,11 @@
 #   then the quickstart's averaging, generation (--task translation_sat) and interactive steps.
 # Total time is about twice the transformer's plus the distillation decode. Environment: SAT_K (default 2),
 # SAT_KD_BEAM (default 1 = greedy on the Bible corpus, whose 29k verses take minutes to translate on 2 cores;
-# 4 on Ding), SAT_BEAM (beam of the final evaluation, default 4; 1 = greedy, the fastest).
+# 4 on Ding), SAT_BEAM (beam of the final evaluation, default 4; 1 = greedy, the fastest), SAT_TEACHER (a
+# fairseq transformer checkpoint trained on the same dictionary, e.g. releases/bible-de-en/transformer.pt: the
+# teacher, instead of training one in step 1).
+# From a release (the default when releases/ has one for K=$SAT_K): no teacher and no distillation; the student
+# continues on the real training targets for RELEASE_UPDATES updates.
 # Same size as the quickstart transformer (Bible: 3+3 layers, d 128, FFN 512, 4 heads, all embeddings shared).
 source "$ROOT/examples/quickstart/transformer.sh"
 SAT_K="${SAT_K:-2}"
@@ -18,12 +22,26 @@ TEACHER_ARGS=("${TRAIN_ARGS[@]}")
 TRAIN_ARGS+=(--sat-group-size "$SAT_K")
 GEN_ARGS=(--beam "$SAT_BEAM" --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)
 
+RELEASE_NAME="sat_transformer_k$SAT_K" RELEASE_UPDATES=300 RELEASE_LR=0.0005
+
+arch_prepare_release() {
+  CKPT="$CKPT-k$SAT_K"
+  OUTDIR="$OUTDIR-k$SAT_K"
+  mkdir -p "$CKPT" "$OUTDIR"
+}
+
 arch_prepare() {
   local teacher="$WORKDIR/checkpoints/sat-teacher-$SRC-$TGT"
+  local teacher_ckpt="$teacher/checkpoint_avg.pt"
   local kd="$WORKDIR/kd-$SRC-$TGT"
   local kdbin="$WORKDIR/bin-$SRC-$TGT-kd"
+  if [ -n "${SAT_TEACHER:-}" ]; then  # distillation data of another teacher are kept apart
+    teacher_ckpt="$SAT_TEACHER"
+    kd="$kd-$(basename "$SAT_TEACHER" .pt)" kdbin="$kdbin-$(basename "$SAT_TEACHER" .pt)"
+    step "SAT 1/3: the teacher is SAT_TEACHER=$SAT_TEACHER"
+  fi
   mkdir -p "$teacher" "$kd"
-  if [ ! -f "$teacher/.done" ]; then
+  if [ -z "${SAT_TEACHER:-}" ] && [ ! -f "$teacher/.done" ]; then
     step "SAT 1/3: teacher (fairseq transformer, same size): $MAX_UPDATE updates, checkpoints in $teacher"
     train_model "$BIN" "$teacher" "$LOGS/train-sat-teacher-$SRC-$TGT.log" --task translation --arch transformer \
       "${TEACHER_ARGS[@]}"
@@ -39,7 +57,7 @@ arch_prepare() {
       KD_ARGS=(--beam 1 --max-len-a 0 --max-len-b 16 --distributed-world-size 50 --distributed-rank 0)
     fi
     quiet "$LOGS/generate-train-sat-teacher-$SRC-$TGT.log" fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" \
-      --task translation --source-lang "$SRC" --target-lang "$TGT" --path "$teacher/checkpoint_avg.pt" \
+      --task translation --source-lang "$SRC" --target-lang "$TGT" --path "$teacher_ckpt" \
       --gen-subset train "${KD_ARGS[@]}" --batch-size 256 --num-workers 0 --results-path "$kd"
     quiet "$LOGS/distill-$SRC-$TGT.log" python -m fairseq_ext.sat.distill --generate-output "$kd/generate-train.txt" \
       --source "$DATA/train.spm.$SRC" --out-prefix "$kd/train" --source-lang "$SRC" --target-lang "$TGT"
@@ -50,10 +68,10 @@ arch_prepare() {
     touch "$kdbin/.done"
     say "$(tail -n 1 "$LOGS/distill-$SRC-$TGT.log")  [$(took)]"
   fi
-  step "SAT 3/3: the student (K=$SAT_K) trains on $kdbin, initialised from $teacher/checkpoint_avg.pt"
+  step "SAT 3/3: the student (K=$SAT_K) trains on $kdbin, initialised from $teacher_ckpt"
   BIN="$kdbin"
   CKPT="$CKPT-k$SAT_K"
   OUTDIR="$OUTDIR-k$SAT_K"
   mkdir -p "$CKPT" "$OUTDIR"
-  TRAIN_ARGS+=(--sat-init-from "$teacher/checkpoint_avg.pt")
+  TRAIN_ARGS+=(--sat-init-from "$teacher_ckpt")
 }

@@ -1,0 +1,209 @@
+"""Release checkpoints (fairseq_ext/release.py, releases/, tools/train_release.py): packing, the sha256 check, and
+that the shipped models load through the safe loader and translate."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fairseq_ext.checkpoint_io import load_checkpoint_file
+from fairseq_ext.release import ReleaseError, pack, read_manifest, release_state, verify
+from tests.helpers import ROOT, run_module
+
+RELEASES = os.path.join(ROOT, "releases")
+
+
+def _release_dirs():
+    if not os.path.isdir(RELEASES):
+        return []
+    return sorted(os.path.join(RELEASES, d) for d in os.listdir(RELEASES)
+                  if os.path.isfile(os.path.join(RELEASES, d, "MANIFEST.json")))
+
+
+def _shipped():
+    return [(d, name) for d in _release_dirs() for name in sorted(read_manifest(d)["models"])]
+
+
+@pytest.fixture
+def packed(tiny_transformer_dir, tmp_path):
+    """The tiny transformer's checkpoint_last.pt packed into tmp_path/release as 'transformer'."""
+    spm_model = tmp_path / "spm.model"
+    spm_model.write_bytes(b"not a real sentencepiece model, hashed only")
+    rel = tmp_path / "release"
+    out, entry = pack(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), "transformer", str(rel),
+                      os.path.join(tiny_transformer_dir, "dict.in.txt"), str(spm_model), {"summary": "tiny"})
+    return tiny_transformer_dir, rel, out, entry, spm_model
+
+
+def test_pack_keeps_the_weights_in_fp16_and_drops_the_optimizer_state(packed):
+    data, rel, out, entry, _ = packed
+    original = load_checkpoint_file(os.path.join(data, "checkpoint_last.pt"))
+    state = load_checkpoint_file(out)  # the safe loader reads a release
+    assert "last_optimizer_state" not in state and "last_optimizer_state" in original
+    assert state["model"].keys() == original["model"].keys()
+    for k, v in original["model"].items():
+        if v.is_floating_point():
+            assert state["model"][k].dtype == torch.float16
+            assert torch.equal(state["model"][k], v.half()), k
+        else:
+            assert torch.equal(state["model"][k], v), k
+    assert state["optimizer_history"][-1]["num_updates"] == original["optimizer_history"][-1]["num_updates"]
+    assert entry["num_updates"] == original["optimizer_history"][-1]["num_updates"] > 0
+    # the paths of the machine that trained it are gone, the model's config is not
+    assert state["cfg"]["task"]["data"] == "" and state["cfg"]["common"]["user_dir"] is None
+    assert state["cfg"]["checkpoint"]["save_dir"] == "checkpoints"
+    assert state["cfg"]["model"].encoder_embed_dim == original["cfg"]["model"].encoder_embed_dim == 16
+    assert original["cfg"]["task"]["data"] == data  # release_state copied the config, not changed it
+    manifest = read_manifest(str(rel))
+    assert manifest["models"]["transformer"]["sha256"] == entry["sha256"] and entry["summary"] == "tiny"
+    assert os.path.getsize(out) < os.path.getsize(os.path.join(data, "checkpoint_last.pt")) / 2
+
+
+def test_a_release_generates_like_its_checkpoint(packed):
+    """fairseq-generate with the release (fp16 weights cast back to fp32) gives the hypotheses of the fp32
+    checkpoint rounded to fp16."""
+    from tests.helpers import generate_main, hypotheses
+
+    data, rel, out, _, _ = packed
+    rounded = os.path.join(str(rel), "rounded.pt")
+    state = load_checkpoint_file(os.path.join(data, "checkpoint_last.pt"))
+    state["model"] = {k: (v.half().float() if v.is_floating_point() else v) for k, v in state["model"].items()}
+    torch.save(state, rounded)
+    a, _ = generate_main(data, [], path=out, interactive=False)
+    b, _ = generate_main(data, [], path=rounded, interactive=False)
+    assert hypotheses(a) == hypotheses(b) and len(hypotheses(a)) == 100
+
+
+def test_training_continues_from_a_release_under_a_time_cap(tiny_transformer_dir, tmp_path):
+    """fairseq counts a checkpoint's "previous_training_time" against --stop-time-hours even with
+    --finetune-from-model: a release that kept it (here 1e6 s) would stop the quickstart's continuation before its
+    first update."""
+    from tests.helpers import train_args, run_cli
+    from tests.conftest import TINY_TRANSFORMER
+
+    state = load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
+    state["extra_state"]["previous_training_time"] = 1e6
+    long_trained = tmp_path / "long.pt"
+    torch.save(state, long_trained)
+    spm_model = tmp_path / "spm.model"
+    spm_model.write_bytes(b"hashed only")
+    out, _ = pack(str(long_trained), "transformer", str(tmp_path / "rel"),
+                  os.path.join(tiny_transformer_dir, "dict.in.txt"), str(spm_model))
+    assert "previous_training_time" not in load_checkpoint_file(out)["extra_state"]
+    args = train_args(tiny_transformer_dir, "transformer_iwslt_de_en", TINY_TRANSFORMER + [
+        "--finetune-from-model", out, "--stop-time-hours", "1", "--max-update", "5", "--max-epoch", "0"])
+    args[args.index("--save-dir") + 1] = str(tmp_path / "ckpt")
+    proc = run_cli("train", args)
+    assert '"num_updates": "5"' in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_verify_refuses_a_changed_file_with_one_line(packed):
+    _, rel, out, _, spm_model = packed
+    assert verify(str(rel), "transformer") == out
+    for name in ("transformer.pt", "spm.model", "dict.txt"):
+        path = rel / name
+        good = path.read_bytes()
+        path.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(ReleaseError, match=f"{name} does not match its sha256") as exc:
+            verify(str(rel), "transformer")
+        assert "\n" not in str(exc.value) and "--from-scratch" in str(exc.value)
+        path.write_bytes(good)
+    assert verify(str(rel), "transformer") == out
+    with pytest.raises(ReleaseError, match="has no release of 'fconv_glu' \\(it has: transformer\\)"):
+        verify(str(rel), "fconv_glu")
+    os.remove(rel / "dict.txt")
+    with pytest.raises(ReleaseError, match="dict.txt is missing"):
+        verify(str(rel), "transformer")
+    proc = run_module("fairseq_ext.release", ["verify", "--release-dir", rel, "--name", "transformer"], check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "dict.txt is missing" in proc.stderr
+
+
+def test_models_of_one_release_share_its_bpe_and_dictionary(packed, tmp_path):
+    data, rel, _, _, spm_model = packed
+    other = tmp_path / "other.model"
+    other.write_bytes(b"another model")
+    with pytest.raises(ReleaseError, match="differs from the release's"):
+        pack(os.path.join(data, "checkpoint_last.pt"), "fconv_glu", str(rel), os.path.join(data, "dict.in.txt"),
+             str(other))
+    assert "fconv_glu" not in read_manifest(str(rel))["models"]
+
+
+def test_release_state_of_a_checkpoint_without_history():
+    state = {"model": {"w": torch.ones(2, dtype=torch.float32), "step": torch.tensor(3)}, "cfg": None}
+    out = release_state(state)
+    assert out["model"]["w"].dtype == torch.float16 and out["model"]["step"].dtype == torch.int64
+    assert out["release"]["num_updates"] == 0 and state["model"]["w"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("release_dir,name", _shipped() or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no release in releases/"))])
+def test_shipped_release_matches_its_manifest_and_loads_safely(release_dir, name):
+    path = verify(release_dir, name)
+    entry = read_manifest(release_dir)["models"][name]
+    state = load_checkpoint_file(path)
+    assert "last_optimizer_state" not in state
+    assert all(v.dtype == torch.float16 for v in state["model"].values() if v.is_floating_point())
+    for field in ("command", "updates_trained", "wall_seconds", "cpu_seconds", "valid_bleu", "valid_signature",
+                  "summary"):
+        assert field in entry, field
+    assert entry["valid_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert os.path.getsize(path) == entry["bytes"] < 20 * 2**20  # small enough to live in git
+
+
+DEMO = {  # examples/quickstart.sh's demo sentences and words their translation must contain
+    "Und der König sandte Boten in die Stadt und ließ das Volk versammeln.": ("king", "sent", "city", "people"),
+    "Fürchtet euch nicht, denn der Herr ist mit euch.": ("afraid", "Lord", "with you"),
+}
+
+
+@pytest.mark.slow
+def test_the_shipped_transformer_translates_the_demo_sentences(tmp_path):
+    """The release the quickstart starts from, through fairseq-interactive with --user-dir: the meaning of the
+    demo sentences is there."""
+    release_dir = os.path.join(RELEASES, "bible-de-en")
+    if not os.path.isfile(os.path.join(release_dir, "MANIFEST.json")):
+        pytest.skip("no bible-de-en release")
+    path = verify(release_dir, "transformer")
+    for lang in ("de", "en"):
+        shutil.copyfile(os.path.join(release_dir, "dict.txt"), tmp_path / f"dict.{lang}.txt")
+    cmd = [sys.executable, "-m", "fairseq_cli.interactive", str(tmp_path), "--user-dir",
+           os.path.join(ROOT, "fairseq_ext"), "--path", path, "--source-lang", "de", "--target-lang", "en",
+           "--bpe", "sentencepiece", "--sentencepiece-model", os.path.join(release_dir, "spm.model"),
+           "--beam", "5", "--max-len-a", "1.2", "--max-len-b", "10", "--num-workers", "0"]
+    proc = subprocess.run(cmd, input="\n".join(DEMO) + "\n", capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outs = [line.split("\t")[2] for line in proc.stdout.splitlines() if line.startswith("D-")]
+    assert len(outs) == len(DEMO)
+    for out, words in zip(outs, DEMO.values()):
+        for w in words:
+            assert w in out, (w, out)
+
+
+def test_quickstart_refuses_a_release_that_does_not_match_its_manifest(tmp_path):
+    """The quickstart checks the release before it uses it: a changed model stops it with the one line of
+    fairseq_ext.release (run on a copy of the script's directory layout with a damaged release)."""
+    if not _shipped():
+        pytest.skip("no release in releases/")
+    fake = tmp_path / "checkout"
+    (fake / "examples").mkdir(parents=True)
+    shutil.copytree(os.path.join(ROOT, "examples", "quickstart"), fake / "examples" / "quickstart")
+    shutil.copyfile(os.path.join(ROOT, "examples", "quickstart.sh"), fake / "examples" / "quickstart.sh")
+    rel = fake / "releases" / "bible-de-en"
+    rel.mkdir(parents=True)
+    src = os.path.join(RELEASES, "bible-de-en")
+    for f in os.listdir(src):
+        shutil.copyfile(os.path.join(src, f), rel / f)
+    with open(rel / "transformer.pt", "ab") as f:
+        f.write(b"\0")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(["bash", str(fake / "examples" / "quickstart.sh"), "--workdir", str(tmp_path / "w")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "transformer.pt does not match its sha256" in proc.stderr and proc.stderr.count("\n") == 1
+    assert "1/6" not in proc.stdout  # nothing ran
+    manifest = json.load(open(rel / "MANIFEST.json"))
+    assert "transformer" in manifest["models"]
