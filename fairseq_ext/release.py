@@ -20,9 +20,12 @@ checkpoint once ``fairseq_ext`` is imported (``--user-dir``); the weights are ca
 """
 
 import argparse
+import copy
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
 
 from fairseq_ext.errors import FairseqExtError
@@ -101,8 +104,6 @@ def release_state(state):
         "release": {"num_updates": num_updates, "dtype": "float16"},
     }
     if out["cfg"] is not None:
-        import copy
-
         out["cfg"] = copy.deepcopy(out["cfg"])
         _clear_paths(out["cfg"])
     return out
@@ -111,11 +112,15 @@ def release_state(state):
 def pack(checkpoint, name, release_dir, dict_path, spm_model, meta=None):
     """Write ``release_dir``/``name``.pt from ``checkpoint`` and record it in the manifest; the release's
     ``spm.model`` and ``dict.txt`` are copied there the first time and must be identical afterwards."""
-    import shutil
+    os.makedirs(release_dir, exist_ok=True)
+    with open(os.path.join(release_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two packs at once (e.g. two archs trained side by side) lose no entry
+        return _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta)
 
+
+def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
     from fairseq_ext.checkpoint_io import atomic_torch_save, load_checkpoint_file
 
-    os.makedirs(release_dir, exist_ok=True)
     manifest = read_manifest(release_dir)
     for src, dst_name in ((spm_model, "spm.model"), (dict_path, "dict.txt")):
         dst = os.path.join(release_dir, dst_name)

@@ -57,6 +57,13 @@ def bleu_of(path):
     return round(d["score"], 2), d["signature"]
 
 
+def summary(arch, updates, wall, cpu, threads, valid_bleu, distilled=False):
+    """The one line the quickstart prints about a release."""
+    how = "distilled from and initialised by the release's transformer," if distilled else "from scratch"
+    return (f"{arch} trained {updates} updates {how} in {wall / 60:.0f} min ({cpu / 60:.0f} CPU-minutes, "
+            f"{threads} thread{'s' if threads != 1 else ''}) by tools/train_release.py; valid BLEU {valid_bleu:.2f}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", required=True)
@@ -134,9 +141,8 @@ def main(argv=None):
         "threads": int(env.get("OMP_NUM_THREADS", "2")),
         "valid_bleu": round(valid["score"], 2), "valid_signature": valid["signature"],
         "test_bleu": test_bleu, "test_signature": test_sig,
-        "summary": (f"{args.arch} trained {n_updates} updates from scratch in {wall / 60:.0f} min "
-                    f"({cpu / 60:.0f} CPU-minutes, {env.get('OMP_NUM_THREADS', '2')} threads) by tools/train_release.py; "
-                    f"valid BLEU {valid['score']:.2f}"),
+        "summary": summary(args.arch, n_updates, wall, cpu, int(env.get("OMP_NUM_THREADS", "2")), valid["score"],
+                           "SAT_TEACHER" in env),
     }
     meta_path = os.path.join(args.workdir, f"release-{args.arch}.json")
     with open(meta_path, "w", encoding="utf-8") as f:

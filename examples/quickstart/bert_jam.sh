@@ -28,13 +28,25 @@ TRAIN_ARGS=(
 )
 GEN_ARGS=(--beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)  # bounded: a short CPU run may not learn EOS yet
 
-# the BERT input (plain English sentence -> MiniLM WordPiece ids), written once beside the binarised data
-arch_prepare() {
+# from the release (releases/bible-en-de/bert_jam.pt, phase 1): 300 more updates with the MiniLM run live
+RELEASE_UPDATES=300 RELEASE_LR=0.0006
+
+# the BERT input (plain English sentence -> MiniLM WordPiece ids), written once beside the binarised data; the
+# release path runs it too (arch_prepare_release)
+arch_prepare_release() {
   if [ ! -f "$BIN/bert_input.$SRC.json" ]; then
     step "2b/6 BERT input with $MINILM into $BIN"
     quiet "$LOGS/bert_prepare-$SRC-$TGT.log" python -m fairseq_ext.bert_jam.prepare "$BIN" --source-lang "$SRC" \
       --target-lang "$TGT" --bert-model-name "$MINILM" --trainpref "$DATA/train.spm" \
       --validpref "$DATA/valid.spm" --testpref "$DATA/test.spm"
     say "[$(took)]"
+  fi
+}
+# from scratch: more than one epoch of phase 1 (e.g. tools/train_release.py) pays for --bert-feature-cache (the
+# frozen MiniLM's last layer computed once per sentence, fp16, about 0.8 GB for the Bible's training set)
+arch_prepare() {
+  arch_prepare_release
+  if [ "$CORPUS" = bible ] && [ "$MAX_UPDATE" -ge 1500 ]; then
+    TRAIN_ARGS+=(--bert-feature-cache "$WORKDIR/bert-feature-cache-$SRC-$TGT")
   fi
 }
