@@ -123,13 +123,17 @@ def test_quickstart_smoke_runs_every_step_and_reuses_its_work(tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_smoke_from_the_release_continues_its_training(tmp_path):
+@pytest.mark.parametrize("arch,run", [("transformer", "transformer-de-en-release"),
+                                      ("sat_transformer", "sat_transformer-de-en-release-k2")])
+def test_quickstart_smoke_from_the_release_continues_its_training(arch, run, tmp_path):
     """The default path: the release's BPE and dictionary, training continued from the release checkpoint (so the
-    valid loss after 20 updates is that of a trained model), outputs kept apart from a --from-scratch run."""
+    valid loss after 20 updates is that of a trained model), outputs kept apart from a --from-scratch run; for SAT
+    without a teacher or a distillation step."""
     manifest = os.path.join(ROOT, "releases", "bible-de-en", "MANIFEST.json")
     if not os.path.isfile(manifest):
         pytest.skip("no bible-de-en release")
-    cmd = ["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--smoke", "--workdir", str(tmp_path)]
+    cmd = ["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--smoke", "--arch", arch, "--workdir",
+           str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
@@ -140,10 +144,11 @@ def test_quickstart_smoke_from_the_release_continues_its_training(tmp_path):
     assert (tmp_path / "bin-de-en-release" / "dict.en.txt").read_text() == open(
         os.path.join(ROOT, "releases", "bible-de-en", "dict.txt")).read()
     valid_loss = float(re.search(r"trained 20 updates .*valid loss ([\d.]+)", out).group(1))
-    assert valid_loss < 5.0, out  # from random weights it is above 9 after 20 updates
-    bleu = json.loads(open(tmp_path / "out" / "transformer-de-en-release" / "bleu.json").read())
+    assert valid_loss < 7.0, out  # from random weights: 12.19 after 20 updates (--smoke --from-scratch)
+    bleu = json.loads(open(tmp_path / "out" / run / "bleu.json").read())
     assert bleu["score"] > 10, bleu  # the release translates (outputs cut at 16 tokens in --smoke)
-    assert not (tmp_path / "out" / "transformer-de-en").exists()
+    assert all("-release" in d for d in os.listdir(tmp_path / "out")), os.listdir(tmp_path / "out")  # no --from-scratch run
+    assert "SAT 1/3" not in out and "SAT 2/3" not in out
 
 
 def test_quickstart_rejects_an_unknown_arch():
