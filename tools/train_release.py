@@ -13,6 +13,7 @@ a report, not a selection: the settings and the update count are fixed before tr
 """
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -76,6 +77,8 @@ def main(argv=None):
     p.add_argument("--sat-k", type=int, default=2, help="sat_transformer: the group size K (default 2); the "
                    "student is distilled from and initialised by the release's transformer when there is one")
     args = p.parse_args(argv)
+    # fairseq-generate and sacrebleu of this Python's environment, activated or not
+    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     direction = DIRECTIONS.get(args.arch, "de-en")
     src, tgt = direction.split("-")
     updates = args.max_update or DEFAULT_UPDATES.get(args.arch, 3000)
@@ -85,8 +88,12 @@ def main(argv=None):
     cmd = ["bash", "examples/quickstart.sh", "--from-scratch", "--arch", args.arch, "--corpus", args.corpus,
            "--direction", direction, "--max-update", str(updates), "--minutes", str(args.minutes),
            "--workdir", args.workdir]
-    if os.path.isfile(os.path.join(release_dir, "spm.model")):
-        cmd += ["--spm-model", os.path.join(release_dir, "spm.model")]
+    # the releases of one corpus share one BPE (the quickstart keeps one encoded copy of the corpus for all of them)
+    shared = [os.path.join(release_dir, "spm.model")] + sorted(glob.glob(os.path.join(args.release_root,
+                                                                                     f"{args.corpus}-*", "spm.model")))
+    shared = [f for f in shared if os.path.isfile(f)]
+    if shared:
+        cmd += ["--spm-model", shared[0]]
     env = dict(os.environ)
     name = args.arch
     if args.arch == "sat_transformer":
