@@ -212,3 +212,31 @@ def test_quickstart_refuses_a_release_that_does_not_match_its_manifest(tmp_path)
     assert "1/6" not in proc.stdout  # nothing ran
     manifest = json.load(open(rel / "MANIFEST.json"))
     assert "transformer" in manifest["models"]
+
+
+@pytest.mark.slow
+def test_train_release_trains_scores_and_packs_with_the_shared_bpe(tmp_path):
+    """tools/train_release.py end to end (--smoke: 20 updates): the model is packed into --release-root with a
+    manifest that records how it was trained, and the run encoded the corpus with the BPE the corpus's releases
+    share (here the shipped bible-de-en one), so the packed spm.model is that file."""
+    root = tmp_path / "releases"
+    shipped_spm = os.path.join(RELEASES, "bible-de-en", "spm.model")
+    if os.path.isfile(shipped_spm):  # the BPE of the shipped releases of the corpus is found under --release-root
+        (root / "bible-x").mkdir(parents=True)
+        shutil.copyfile(shipped_spm, root / "bible-x" / "spm.model")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_release.py"), "--arch", "transformer",
+                           "--smoke", "--workdir", str(tmp_path / "w"), "--release-root", str(root)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rel = root / "bible-de-en"
+    path = verify(str(rel), "transformer")
+    entry = read_manifest(str(rel))["models"]["transformer"]
+    assert entry["updates_trained"] == entry["num_updates"] == 20
+    assert entry["command"].startswith("python tools/train_release.py --arch transformer")
+    assert "--from-scratch" in entry["quickstart_command"] and entry["wall_seconds"] > 0 and entry["cpu_seconds"] > 0
+    assert entry["valid_signature"].startswith("nrefs:1|") and entry["test_signature"].startswith("nrefs:1|")
+    assert entry["summary"].startswith("transformer trained 20 updates from scratch in ")
+    assert load_checkpoint_file(path)["model"]["encoder.embed_tokens.weight"].dtype == torch.float16
+    if os.path.isfile(shipped_spm):
+        assert (rel / "spm.model").read_bytes() == open(shipped_spm, "rb").read()
+        assert "with the sentencepiece model" in proc.stdout

@@ -76,6 +76,8 @@ def main(argv=None):
     p.add_argument("--release-root", default=os.path.join(ROOT, "releases"))
     p.add_argument("--sat-k", type=int, default=2, help="sat_transformer: the group size K (default 2); the "
                    "student is distilled from and initialised by the release's transformer when there is one")
+    p.add_argument("--smoke", action="store_true", help="the quickstart's --smoke (20 updates) and a bounded valid "
+                   "decode: a fast check of every step, used by the tests")
     args = p.parse_args(argv)
     # fairseq-generate and sacrebleu of this Python's environment, activated or not
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -88,6 +90,8 @@ def main(argv=None):
     cmd = ["bash", "examples/quickstart.sh", "--from-scratch", "--arch", args.arch, "--corpus", args.corpus,
            "--direction", direction, "--max-update", str(updates), "--minutes", str(args.minutes),
            "--workdir", args.workdir]
+    if args.smoke:
+        cmd.append("--smoke")
     # the releases of one corpus share one BPE (the quickstart keeps one encoded copy of the corpus for all of them)
     shared = [os.path.join(release_dir, "spm.model")] + sorted(glob.glob(os.path.join(args.release_root,
                                                                                      f"{args.corpus}-*", "spm.model")))
@@ -122,6 +126,8 @@ def main(argv=None):
            "--source-lang", src, "--target-lang", tgt, "--path", checkpoint, "--gen-subset", "valid",
            "--batch-size", "64", "--remove-bpe", "sentencepiece", "--num-workers", "0", "--beam", beam,
            "--lenpen", "1.0", "--max-len-a", "1.2", "--max-len-b", "10", "--results-path", out_dir]
+    if args.smoke:
+        gen += ["--max-len-a", "0", "--max-len-b", "16"]
     print(f"train_release: scoring {checkpoint} on the valid set")
     with open(os.path.join(args.workdir, f"generate-valid-{args.arch}.log"), "w") as f:
         subprocess.run(gen, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
