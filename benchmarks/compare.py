@@ -108,6 +108,7 @@ class Compare:
         self.status = ""
         self._teacher = None  # chosen when the first SAT student needs it
         self.last_print = 0.0  # time of the last progress line
+        self.last_status = None  # the stage it showed
         self.inline = False  # a progress line without a newline is on the terminal
 
     def select(self, only):
@@ -393,8 +394,8 @@ class Compare:
     def progress(self, spec, log, t0, force=False, training=True):
         now = time.time()
         every = 1.0 if sys.stdout.isatty() else (5.0 if self.smoke else 60.0)
-        if not force and now - self.last_print < every:
-            return
+        if not force and now - self.last_print < every and self.status == self.last_status:
+            return  # a new stage (self.status) is shown at once, then at most every `every` seconds
         update = last_update(log) if log else None
         budget = self.args.minutes_per_model * 60
         eval_s = statistics.mean(self.eval_seconds) if self.eval_seconds else (10 if self.smoke else
@@ -408,7 +409,7 @@ class Compare:
             self.inline = True
         else:
             print(line, flush=True)
-        self.last_print = now
+        self.last_print, self.last_status = now, self.status
 
     # -- the whole run -----------------------------------------------------------------------------------
     def run(self):

@@ -204,7 +204,9 @@ def test_quickstart_refuses_a_release_that_does_not_match_its_manifest(tmp_path)
         shutil.copyfile(os.path.join(src, f), rel / f)
     with open(rel / "transformer.pt", "ab") as f:
         f.write(b"\0")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # this Python's environment first on PATH, as `source .venv/bin/activate` would (the copy has no .venv)
+    env = dict(os.environ, PYTHONPATH=ROOT,
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     proc = subprocess.run(["bash", str(fake / "examples" / "quickstart.sh"), "--workdir", str(tmp_path / "w")],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
