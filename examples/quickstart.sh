@@ -214,10 +214,15 @@ echo "quickstart: --arch $ARCH, $SRC->$TGT, --corpus $CORPUS; work dir $WORKDIR 
 if [ -n "$RELEASE_PT" ]; then
   say "starting from the release checkpoint $RELEASE_PT: $(python -c "import json, sys; m = json.load(open(sys.argv[1]))['models'][sys.argv[2]]; print(m.get('summary') or f\"{m['num_updates']} updates\")" "$RELEASE_DIR/MANIFEST.json" "$RELEASE_NAME") (sha256 checked; --from-scratch trains from random weights)"
   step "1/6 corpus ($CORPUS) with the release's sentencepiece BPE"
-elif [ -n "$SPM_MODEL" ]; then
-  step "1/6 corpus ($CORPUS) with the sentencepiece model $SPM_MODEL"
 else
-  step "1/6 corpus ($CORPUS) and joint sentencepiece BPE (${BPE_SIZE})"
+  if [ "$FROM_SCRATCH" = 0 ]; then
+    say "no release of $RELEASE_NAME in releases/$CORPUS-$SRC-$TGT: training from random weights"
+  fi
+  if [ -n "$SPM_MODEL" ]; then
+    step "1/6 corpus ($CORPUS) with the sentencepiece model $SPM_MODEL"
+  else
+    step "1/6 corpus ($CORPUS) and joint sentencepiece BPE (${BPE_SIZE})"
+  fi
 fi
 quiet "$LOGS/prepare.log" python tools/prepare_bundled_corpus.py --corpus "$CORPUS" --out "$DATA" \
   --vocab-size "$BPE_SIZE" "${PREP_ARGS[@]}"

@@ -151,6 +151,22 @@ def test_quickstart_smoke_from_the_release_continues_its_training(arch, run, tmp
     assert "SAT 1/3" not in out and "SAT 2/3" not in out
 
 
+def test_quickstart_says_when_there_is_no_release_to_start_from(tmp_path):
+    """No release of the transformer En->De: the quickstart says so on its second line and trains from scratch."""
+    if os.path.isfile(os.path.join(ROOT, "releases", "bible-en-de", "transformer.pt")):
+        pytest.skip("there is an En->De transformer release")
+    proc = subprocess.Popen(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--direction", "en-de",
+                             "--workdir", str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]  # then stop it: the rest is the from-scratch run
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+    assert lines[1].strip() == "no release of transformer in releases/bible-en-de: training from random weights"
+    assert lines[2].startswith("==> 1/6 corpus (bible) and joint sentencepiece BPE")
+
+
 def test_quickstart_rejects_an_unknown_arch():
     proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--arch", "nope"],
                           capture_output=True, text=True)
