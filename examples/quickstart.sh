@@ -51,7 +51,7 @@ while [ $# -gt 0 ]; do
     --smoke) SMOKE=1; shift ;;
     --from-scratch) FROM_SCRATCH=1; shift ;;
     --spm-model) SPM_MODEL="$2"; shift 2 ;;
-    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;  # the comment block above
     *) echo "quickstart.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -167,6 +167,14 @@ def test_quickstart_says_when_there_is_no_release_to_start_from(tmp_path):
     assert lines[2].startswith("==> 1/6 corpus (bible) and joint sentencepiece BPE")
 
 
+def test_quickstart_help_is_the_whole_comment_block():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--help"], capture_output=True,
+                          text=True)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and all(line.startswith("#") for line in lines)
+    assert "--from-scratch" in proc.stdout and lines[-1].startswith("# logs of every tool")
+
+
 def test_quickstart_rejects_an_unknown_arch():
     proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--arch", "nope"],
                           capture_output=True, text=True)
