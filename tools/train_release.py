@@ -147,6 +147,7 @@ def main(argv=None):
         "arch": args.arch, "name": name, "corpus": args.corpus, "direction": direction,
         "command": "python tools/train_release.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quickstart_command": " ".join(cmd[1:]).replace(ROOT + os.sep, ""),
+        "quickstart_environment": {k: env[k].replace(ROOT + os.sep, "") for k in ("SAT_K", "SAT_TEACHER") if k in env},
         "updates_trained": n_updates,
         "wall_seconds": round(wall), "cpu_seconds": round(cpu),
         "train_seconds": round(float(done[-1])) if done else None,
