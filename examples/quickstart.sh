@@ -114,11 +114,14 @@ RELEASE_DIR="$ROOT/releases/$CORPUS-$SRC-$TGT"
 RELEASE_PT=""
 SUFFIX=""
 RELEASE_NAME="${RELEASE_NAME:-$ARCH}"  # the model's name in the release's manifest (an arch file may set it)
-if [ "$FROM_SCRATCH" = 0 ] && [ -f "$RELEASE_DIR/MANIFEST.json" ] && python -c "import json, sys
-sys.exit(sys.argv[2] not in json.load(open(sys.argv[1]))['models'])" "$RELEASE_DIR/MANIFEST.json" "$RELEASE_NAME"; then
-  if ! RELEASE_PT="$(python -m fairseq_ext.release verify --release-dir "$RELEASE_DIR" --name "$RELEASE_NAME")"; then
+if [ "$FROM_SCRATCH" = 0 ] && [ -f "$RELEASE_DIR/MANIFEST.json" ]; then
+  # the release's model path, empty when it has none for this arch
+  if ! RELEASE_PT="$(python -m fairseq_ext.release verify --if-present --release-dir "$RELEASE_DIR" \
+      --name "$RELEASE_NAME")"; then
     exit 1  # the one-line reason is on stderr
   fi
+fi
+if [ -n "$RELEASE_PT" ]; then
   SPM_MODEL="$RELEASE_DIR/spm.model"
   SUFFIX="-release"
   MAX_UPDATE="$RELEASE_UPDATES"

@@ -124,14 +124,14 @@ def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
     manifest = read_manifest(release_dir)
     for src, dst_name in ((spm_model, "spm.model"), (dict_path, "dict.txt")):
         dst = os.path.join(release_dir, dst_name)
-        if os.path.exists(dst):
-            if sha256(dst) != sha256(src):
-                raise ReleaseError(f"{src} differs from the release's {dst}: the models of one release share their "
-                                   "sentencepiece model and dictionary (train with --spm-model of the release, or use "
-                                   "another --release-dir)")
-        else:
+        digest = sha256(src)
+        if not os.path.exists(dst):
             shutil.copyfile(src, dst)
-        manifest["files"][dst_name] = {"sha256": sha256(dst), "bytes": os.path.getsize(dst)}
+        elif sha256(dst) != digest:
+            raise ReleaseError(f"{src} differs from the release's {dst}: the models of one release share their "
+                               "sentencepiece model and dictionary (train with --spm-model of the release, or use "
+                               "another --release-dir)")
+        manifest["files"][dst_name] = {"sha256": digest, "bytes": os.path.getsize(dst)}
     state = release_state(load_checkpoint_file(checkpoint))
     out = os.path.join(release_dir, f"{name}.pt")
     atomic_torch_save(state, out)
@@ -146,11 +146,14 @@ def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
     return out, entry
 
 
-def verify(release_dir, name):
+def verify(release_dir, name, if_present=False):
     """The path of ``release_dir``/``name``.pt after checking it, ``spm.model`` and ``dict.txt`` against the
-    manifest; ReleaseError (one line) when anything is missing or differs."""
+    manifest; ReleaseError (one line) when anything is missing or differs. ``if_present``: None instead of an error
+    when the manifest has no model ``name``."""
     manifest = read_manifest(release_dir)
     entry = manifest["models"].get(name)
+    if entry is None and if_present:
+        return None
     if entry is None:
         have = ", ".join(sorted(manifest["models"])) or "none"
         raise ReleaseError(f"{release_dir} has no release of '{name}' (it has: {have}); train one with "
@@ -180,7 +183,8 @@ def main(argv=None):
     vf = sub.add_parser("verify", help="check a release model and its shared files against the manifest")
     vf.add_argument("--release-dir", required=True)
     vf.add_argument("--name", required=True)
-    vf.add_argument("--field", help="print this field of the model's manifest entry instead of its path")
+    vf.add_argument("--if-present", action="store_true",
+                    help="print nothing and succeed when the release has no model NAME (the quickstart's check)")
     args = p.parse_args(argv)
     try:
         if args.command == "pack":
@@ -192,10 +196,8 @@ def main(argv=None):
             print(f"{out}: {entry['parameters']:,} parameters, {entry['num_updates']} updates, "
                   f"{entry['bytes'] / 2**20:.1f} MiB, sha256 {entry['sha256']}")
         else:
-            path = verify(args.release_dir, args.name)
-            if args.field:
-                print(read_manifest(args.release_dir)["models"][args.name].get(args.field, ""))
-            else:
+            path = verify(args.release_dir, args.name, args.if_present)
+            if path is not None:
                 print(path)
     except FairseqExtError as exc:
         print(f"fairseq_ext.release: {exc}", file=sys.stderr)

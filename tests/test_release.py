@@ -115,6 +115,8 @@ def test_verify_refuses_a_changed_file_with_one_line(packed):
     assert verify(str(rel), "transformer") == out
     with pytest.raises(ReleaseError, match="has no release of 'fconv_glu' \\(it has: transformer\\)"):
         verify(str(rel), "fconv_glu")
+    assert verify(str(rel), "fconv_glu", if_present=True) is None  # the quickstart's check: none, no error
+    assert verify(str(rel), "transformer", if_present=True) == out
     os.remove(rel / "dict.txt")
     with pytest.raises(ReleaseError, match="dict.txt is missing"):
         verify(str(rel), "transformer")

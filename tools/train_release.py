@@ -120,14 +120,12 @@ def main(argv=None):
     if args.arch == "sat_transformer":
         bin_dir += "-kd" + ("-transformer" if "SAT_TEACHER" in env else "")
     task = {"sat_transformer": "translation_sat", "bert_jam": "translation_bert"}.get(args.arch, "translation")
-    # the valid set, beam 5 (beam 4 for SAT, as the quickstart's test step), for the record
-    beam = "4" if args.arch == "sat_transformer" else "5"
+    # the valid set, for the record, with the decoding options the quickstart's test step printed (the arch's)
+    gen_args = re.findall(r"5/6 fairseq-generate the test set \((.*)\) and score it", console)[-1].split()
     gen = ["fairseq-generate", bin_dir, "--user-dir", os.path.join(ROOT, "fairseq_ext"), "--task", task,
            "--source-lang", src, "--target-lang", tgt, "--path", checkpoint, "--gen-subset", "valid",
-           "--batch-size", "64", "--remove-bpe", "sentencepiece", "--num-workers", "0", "--beam", beam,
-           "--lenpen", "1.0", "--max-len-a", "1.2", "--max-len-b", "10", "--results-path", out_dir]
-    if args.smoke:
-        gen += ["--max-len-a", "0", "--max-len-b", "16"]
+           "--batch-size", "64", "--remove-bpe", "sentencepiece", "--num-workers", "0", *gen_args,
+           "--results-path", out_dir]
     print(f"train_release: scoring {checkpoint} on the valid set")
     with open(os.path.join(args.workdir, f"generate-valid-{args.arch}.log"), "w") as f:
         subprocess.run(gen, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
