@@ -122,13 +122,13 @@ class _GroupSearch(SequenceGenerator):
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
-        for k in range(lprobs.size(1)):
-            t = step + k
-            if t >= max_len:  # only EOS
-                lprobs[:, k, : self.eos] = -math.inf
-                lprobs[:, k, self.eos + 1:] = -math.inf
-            if t < self.min_len:
-                lprobs[:, k, self.eos] = -math.inf
+        # positions k with step + k >= max_len: only EOS; with step + k < min_len: no EOS (contiguous ranges of k)
+        last = max(max_len - step, 0)
+        if last < lprobs.size(1):
+            lprobs[:, last:, : self.eos] = -math.inf
+            lprobs[:, last:, self.eos + 1:] = -math.inf
+        if step < self.min_len:
+            lprobs[:, : self.min_len - step, self.eos] = -math.inf
         if self.token_indices_to_suppress is not None:
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
