@@ -100,6 +100,10 @@ def parse_args(argv=None):
                    help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); repeatable")
+    p.add_argument("--float-opt", action="append", default=[], choices=["prepack", "attention", "both"],
+                   help="also measure our K=1 and SATs in float32 after fairseq_ext.inference.prepack_output "
+                        "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
+                        "fused QKV, scaled_dot_product_attention, preallocated key/value cache) or both; repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -243,7 +247,7 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext.inference import quantize_decoder, quantize_encoder
+    from fairseq_ext.inference import fast_attention, prepack_output, quantize_decoder, quantize_encoder
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     code = git_info()
@@ -336,6 +340,15 @@ def main(argv=None):
             if layers == "all":
                 quantize_encoder(m)
             cs.append(Contender(f"{c.name} [int8 {layers}]", c.K, f"int8 {layers}", variant=f"int8 {layers}",
+                                model=m, make_gen=ours(m), of=c))
+    for opt in args.float_opt:
+        for c in float_ours:
+            m = copy.deepcopy(c.model)
+            if opt in ("prepack", "both"):
+                prepack_output(m)
+            if opt in ("attention", "both"):
+                fast_attention(m)
+            cs.append(Contender(f"{c.name} [float {opt}]", c.K, f"float {opt}", variant=f"float {opt}",
                                 model=m, make_gen=ours(m), of=c))
     n_params = {"transformer 3+3" if not args.tiny else "transformer": sum(p.numel() for p in teacher.parameters())}
     if "6+1 K=1" in models:

@@ -25,10 +25,10 @@ N = 5  # --fixed-length of the tiny runs
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One tiny --random-init run with every contender: the anchors (CTranslate2 when installed), K = 2, 4, 6,
-    the 6+1 family and the int8-output variant."""
+    the 6+1 family, the int8-output variant and the float32 opt-ins (prepack + fast attention)."""
     out = tmp_path_factory.mktemp("bench_sat") / "bench.json"
     cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "1",
-           "--no-throughput", "--json", str(out), "--quantize", "output"]
+           "--no-throughput", "--json", str(out), "--quantize", "output", "--float-opt", "both"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     # exit 1 = a speed target missed (meaningless at this size); anything else is a failure
@@ -71,6 +71,11 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
     assert res["results"]["ours SAT K=4 (6+1)"]["greedy_b1_calls"] == math.ceil((N + 1) / 4)
     agr = res["results"]["ours SAT K=4 [int8 output]"]["greedy_b1_agreement"]
     assert 0 <= agr["tokens_identical"] <= 1
+    # the float32 opt-ins (prepack_output + fast_attention) decode the float model's tokens (sums reordered:
+    # only a near-tie could flip one; test_inference.py checks equal hypotheses exactly)
+    for mode in ("greedy", "beam4"):
+        assert res["results"]["ours SAT K=4 [float both]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
+    assert set(res["speedup_vs_k1_by_family"]["float both"]["greedy"]) == {"2", "4", "6"}
     assert res["code"]["fairseq_ext/sat/generator.py"]["sha1"]
     assert "speed-up K=4" in stdout
 

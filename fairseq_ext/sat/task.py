@@ -9,21 +9,32 @@ inside the model). What changes:
   fairseq-generate, fairseq-interactive, ``--eval-bleu`` validation and the hub interface; options it cannot
   honour (sampling, diverse beam search, constraints, prefix tokens, language-model fusion, ensembles) fail
   with one clear line;
-* rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``.
+* rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``;
+* ``--inference-speedups LIST`` applies :mod:`fairseq_ext.inference`'s opt-in CPU decoding speed-ups to the
+  loaded models before decoding (fairseq-generate, fairseq-interactive).
 """
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.inference import apply_speedups
 from fairseq_ext.sat.generator import build_sat_generator
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class TranslationSATConfig(TranslationConfig):
-    pass
+    inference_speedups: str = field(
+        default="",
+        metadata={"help": "comma-separated CPU decoding speed-ups applied to the loaded models (fairseq_ext."
+                          "inference): fast-attention and prepack keep float32 (sums reordered, ~1e-6); "
+                          "int8-output, int8-decoder, int8-encoder quantise the softmax projection / every decoder "
+                          "/ every encoder nn.Linear (outputs change a little). Inference only."})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
@@ -47,6 +58,12 @@ class TranslationSATTask(TranslationTask):
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None, **kwargs):
+        if self.cfg.inference_speedups:
+            for model in models:
+                if model.training:  # fairseq-train's --eval-bleu generator: the model in training stays as it is
+                    logger.warning("--inference-speedups is for decoding; not applied to a model in training")
+                    continue
+                apply_speedups(model, self.cfg.inference_speedups, flag="--inference-speedups")
         return build_sat_generator(self, models, args, seq_gen_cls=seq_gen_cls,
                                    extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                                    prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)

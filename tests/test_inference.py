@@ -1,0 +1,233 @@
+"""fairseq_ext.inference's float32 decoding speed-ups: ``prepack_output`` (MKL packed GEMM for the softmax
+projection) and ``fast_attention`` (fused QKV, scaled_dot_product_attention, preallocated key/value cache).
+Both must give the plain model's outputs (1e-5), keep incremental == full pass, reorder their caches with a
+permutation, and leave the generator's hypotheses as they were."""
+
+import os
+import shutil
+
+import pytest
+import torch
+from fairseq.models.transformer import TransformerModel
+from fairseq.sequence_generator import SequenceGenerator
+
+import fairseq_ext  # noqa: F401  (registers the plugin)
+from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.inference import (FastIncrementalAttention, PackedLinear, apply_speedups, fast_attention,
+                                   prepack_output, quantize_decoder)
+from fairseq_ext.release import read_manifest, verify
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from fairseq_ext.sat.model import SATModel, sat_decoder_input
+from tests.builders import SAT_DICT as DICT
+from tests.builders import SatTask, sat_args, sat_model, sat_sample
+from tests.helpers import ROOT, assert_close, run_cli
+from tests.test_release import DEMO
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _batch(bsz=4, src_len=7, tgt_len=13, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(DICT.nspecial, len(DICT), (bsz, src_len), generator=g)
+    src[:, -1] = DICT.eos()
+    src[-1, :2] = DICT.pad()  # a left-padded shorter source: the cross-attention's key padding
+    lengths = torch.full((bsz,), src_len)
+    lengths[-1] = src_len - 2
+    prev = torch.randint(DICT.nspecial, len(DICT), (bsz, tgt_len), generator=g)
+    prev[:, 0] = DICT.eos()
+    return src, lengths, prev
+
+
+def _fast(K, seed=0, prepack=False):
+    m = fast_attention(sat_model(K, seed=seed))
+    return prepack_output(m) if prepack else m
+
+
+# -- PackedLinear ---------------------------------------------------------------------------------------------
+def test_packed_linear_equals_linear_and_packs_per_row_count():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 300)
+    p = PackedLinear(lin, max_rows=32, max_packs=2, pack_after=2)
+    assert p.weight is lin.weight and p.bias is lin.bias
+    with torch.no_grad():
+        for M in (1, 2, 6, 24, 100):
+            x = torch.randn(M, 1, 64)
+            for _ in range(3):
+                assert_close(p(x), torch.nn.functional.linear(x, lin.weight, lin.bias), 1e-5, f"M={M}")
+    # M > max_rows is never packed; at most max_packs are kept, the oldest dropped
+    assert sorted(p._packs) == [6, 24]
+    with torch.no_grad():
+        lin.weight.mul_(2)  # an in-place change of the weight drops the packs
+        x = torch.randn(6, 64)
+        assert_close(p(x), torch.nn.functional.linear(x, lin.weight, lin.bias), 1e-5, "after the change")
+    assert p._version == lin.weight._version and list(p._packs) == [6]
+
+
+def test_packed_linear_trains_through_autograd():
+    lin = torch.nn.Linear(8, 5)
+    p = PackedLinear(lin, pack_after=1)
+    x = torch.randn(3, 8)
+    p(x).sum().backward()  # grad enabled and a weight that needs it: the plain F.linear
+    assert lin.weight.grad is not None and torch.allclose(lin.weight.grad, x.sum(0).expand(5, 8))
+    assert not p._packs
+
+
+def test_prepack_output_keeps_tied_weights_state_dict_and_hypotheses():
+    def tied():
+        torch.manual_seed(5)
+        args = sat_args("sat_transformer", 2, share_decoder_input_output_embed=True)
+        return SATModel.build_model(args, SatTask()).eval()
+
+    plain, m = tied(), prepack_output(tied())
+    proj = m.decoder.output_projection
+    assert isinstance(proj, PackedLinear) and proj.weight is m.decoder.embed_tokens.weight
+    assert list(m.state_dict()) == list(plain.state_dict())
+    src, lengths, _ = _batch()
+    sample = sat_sample(src, lengths)
+    for beam in (1, 3):
+        a = SATSequenceGenerator([plain], DICT, beam_size=beam, max_len_a=0, max_len_b=8).generate([plain], sample)
+        b = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=8).generate([m], sample)
+        for ha, hb in zip(a, b):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+            assert all(abs(float(x["score"]) - float(y["score"])) < 1e-5 for x, y in zip(ha, hb))
+    assert proj._packs  # the packed kernel did run
+
+
+# -- FastIncrementalAttention ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_fast_attention_incremental_equals_full_pass(K, monkeypatch):
+    monkeypatch.setattr(FastIncrementalAttention, "CACHE_BLOCK", 4)  # the cache grows several times
+    plain, m = sat_model(K, seed=2), _fast(K, seed=2)
+    assert sum(isinstance(x, FastIncrementalAttention) for x in m.decoder.modules()) == 4  # 2 layers x 2
+    assert not any(isinstance(x, FastIncrementalAttention) for x in m.encoder.modules())
+    src, lengths, prev = _batch()
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        full, _ = plain.decoder(sat_in, enc)
+        state, outs = {}, []
+        # one group per call, then several groups at once (the relaxed mask within the step)
+        ends = list(range(K, 4 * K + 1, K)) + [sat_in.size(1)]
+        for end in ends:
+            out, _ = m.decoder(sat_in[:, :end], enc, incremental_state=state)
+            outs.append(out)
+    assert_close(torch.cat(outs, 1), full, 1e-5, f"K={K} fast incremental vs full pass")
+    buf = next(v for v in state.values() if "cache_key" in v)
+    assert buf["cache_key"].size(2) >= sat_in.size(1) > 4  # grown past CACHE_BLOCK
+    assert buf["prev_key"].data_ptr() == buf["cache_key"].data_ptr()  # the cache is a view, not a copy
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_fast_attention_reorder_with_a_permutation(K):
+    plain, m = sat_model(K, seed=3), _fast(K, seed=3)
+    src, lengths, prev = _batch()
+    # rows 2s, 2s+1 are two hypotheses of sentence s (same source), as in beam search: fairseq leaves the
+    # encoder-attention cache alone for a same-size reorder, which only ever permutes hypotheses of a sentence
+    src, lengths = src[:2].repeat_interleave(2, dim=0), lengths[:2].repeat_interleave(2)
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    with torch.no_grad():
+        for perm in (torch.tensor([1, 1, 3, 2]), torch.tensor([3, 2]), torch.tensor([0, 1, 2, 3])):
+            enc = m.encoder(src, lengths)
+            full, _ = plain.decoder(sat_in[perm], m.encoder.reorder_encoder_out(enc, perm))
+            state = {}
+            m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
+            m.decoder.reorder_incremental_state_scripting(state, perm)
+            second, _ = m.decoder(sat_in[perm, : 3 * K], m.encoder.reorder_encoder_out(enc, perm),
+                                  incremental_state=state)
+            assert_close(second, full[:, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_fast_attention_and_prepack_keep_the_hypotheses(K):
+    plain, m = sat_model(K, seed=4), _fast(K, seed=4, prepack=True)
+    src, lengths, _ = _batch(bsz=5, seed=7)
+    sample = sat_sample(src, lengths)
+    for beam in (1, 4):
+        opts = dict(beam_size=beam, max_len_a=1.0, max_len_b=5)
+        a = SATSequenceGenerator([plain], DICT, **opts).generate([plain], sample)
+        b = SATSequenceGenerator([m], DICT, **opts).generate([m], sample)
+        for ha, hb in zip(a, b):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], (K, beam)
+            for x, y in zip(ha, hb):
+                assert abs(float(x["score"]) - float(y["score"])) < 1e-5
+                assert_close(x["attention"], y["attention"], 1e-5, "alignment attention (fairseq's path)")
+
+
+def test_fast_attention_on_a_fairseq_transformer_with_its_own_generator():
+    """The plain ``transformer`` (what bench_sat's 'ours K=1' decodes) under fairseq's SequenceGenerator, whose
+    beam search reorders the caches after every step."""
+    torch.manual_seed(6)
+    plain = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
+    m = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
+    m.load_state_dict(plain.state_dict())
+    fast_attention(m)
+    src, lengths, _ = _batch(bsz=3, seed=9)
+    sample = sat_sample(src, lengths)
+    a = SequenceGenerator([plain], DICT, beam_size=3, max_len_b=6).generate([plain], sample)
+    b = SequenceGenerator([m], DICT, beam_size=3, max_len_b=6).generate([m], sample)
+    for ha, hb in zip(a, b):
+        assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+        assert all(abs(float(x["score"]) - float(y["score"])) < 1e-5 for x, y in zip(ha, hb))
+
+
+def test_fast_attention_with_int8_projections_and_in_training():
+    m = fast_attention(quantize_decoder(sat_model(2, seed=8), layers="decoder"))  # separate int8 q/k/v calls
+    src, lengths, _ = _batch(bsz=2)
+    out = SATSequenceGenerator([m], DICT, beam_size=2, max_len_a=0, max_len_b=4, min_len=4).generate(
+        [m], sat_sample(src, lengths))
+    assert [len(h[0]["tokens"]) for h in out] == [5, 5]
+    # training: fairseq's path (autograd, dropout), so the loss and gradients are the plain model's
+    t = fast_attention(sat_model(2, seed=9)).train()
+    src, lengths, prev = _batch(bsz=2)
+    t(src, lengths, prev)[0].sum().backward()
+    assert t.decoder.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_refusals():
+    with pytest.raises(FairseqExtError, match="no .decoder"):
+        fast_attention(torch.nn.Linear(2, 2))
+    with pytest.raises(FairseqExtError, match="output_projection"):
+        prepack_output(torch.nn.Linear(2, 2))
+
+
+# -- apply_speedups and --inference-speedups ------------------------------------------------------------------
+def test_apply_speedups_by_name_once_each():
+    m = apply_speedups(sat_model(2, seed=10), "prepack, fast-attention")
+    assert isinstance(m.decoder.output_projection, PackedLinear)
+    proj = m.decoder.output_projection
+    apply_speedups(m, "prepack")  # already applied: nothing changes
+    assert m.decoder.output_projection is proj
+    with pytest.raises(FairseqExtError, match="unknown speed-up 'fast'; choose from int8-output"):
+        apply_speedups(sat_model(2), "fast", flag="--inference-speedups")
+    with pytest.raises(FairseqExtError, match="int8-decoder and prepack both replace the softmax projection"):
+        apply_speedups(sat_model(2), "prepack,int8-decoder")
+
+
+@pytest.mark.slow
+def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
+    """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups
+    fast-attention,prepack gives the float model's translations (and int8-decoder translations with the meaning
+    kept); an unknown name stops it with one line naming the flag."""
+    release_dir = os.path.join(ROOT, "releases", "bible-de-en")
+    if "sat_transformer_k2" not in read_manifest(release_dir)["models"]:
+        pytest.skip("no sat_transformer_k2 in releases/bible-de-en")
+    path = verify(release_dir, "sat_transformer_k2")
+    for lang in ("de", "en"):
+        shutil.copyfile(os.path.join(release_dir, "dict.txt"), tmp_path / f"dict.{lang}.txt")
+    base = ["--user-dir", os.path.join(ROOT, "fairseq_ext"), "--path", path, "--task", "translation_sat",
+            "--source-lang", "de", "--target-lang", "en", "--bpe", "sentencepiece", "--sentencepiece-model",
+            os.path.join(release_dir, "spm.model"), "--beam", "4", "--max-len-a", "1.2", "--max-len-b", "10",
+            "--num-workers", "0", "--buffer-size", "4", "--batch-size", "4"]
+    sentences = "\n".join(DEMO) + "\n"
+
+    def translate(*extra):
+        proc = run_cli("interactive", [tmp_path] + base + list(extra), input=sentences)
+        return [line.split("\t")[2] for line in proc.stdout.splitlines() if line.startswith("D-")]
+
+    plain = translate()
+    assert len(plain) == len(DEMO)
+    assert translate("--inference-speedups", "fast-attention,prepack") == plain
+    for out, words in zip(translate("--inference-speedups", "int8-decoder"), DEMO.values()):
+        assert all(w in out for w in words), out
+    proc = run_cli("interactive", [tmp_path] + base + ["--inference-speedups", "fast"], input=sentences, check=False)
+    assert proc.returncode != 0 and "--inference-speedups: unknown speed-up 'fast'" in proc.stderr
