@@ -71,6 +71,9 @@ from bench_sat_contenders import RANDOM_SIZES, Contender, build_random_models, c
 TARGETS = {"greedy": {2: 1.8, 4: 3.2, 6: 4.5}, "beam4": {2: 1.6, 4: 2.6, 6: 3.3}}
 # what this benchmark checks: batch-1, one-thread CPU speed-ups over our own K=1 in the same run (issue 17;
 # set for --random-init --fixed-length 27)
+# --quantize / --float-opt choices -> the fairseq_ext.inference speed-ups they apply (apply_speedups names)
+INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder"}
+FLOAT_SPEEDUPS = {"prepack": "prepack", "attention": "fast-attention", "both": "fast-attention,prepack"}
 CPU_TARGETS = {"greedy": {2: 1.5, 4: 2.7, 6: 3.4}, "beam4": {2: 1.8, 4: 3.0, 6: 3.6}}
 K1_VS_BASELINE_REV = 1.2  # ours K=1 against --baseline-rev's K=1 (issue 17)
 
@@ -96,11 +99,11 @@ def parse_args(argv=None):
                    help="decode exactly N words + EOS with every contender (--min-len N --max-len-b N "
                         "--max-len-a 0; CTranslate2: min/max decoding length): speed at equal output length, "
                         "independent of how well (or badly) the models are trained; BLEU is then meaningless")
-    p.add_argument("--quantize", action="append", default=[], choices=["output", "decoder", "all"],
+    p.add_argument("--quantize", action="append", default=[], choices=list(INT8_SPEEDUPS),
                    help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); repeatable")
-    p.add_argument("--float-opt", action="append", default=[], choices=["prepack", "attention", "both"],
+    p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
                    help="also measure our K=1 and SATs in float32 after fairseq_ext.inference.prepack_output "
                         "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
                         "fused QKV, scaled_dot_product_attention, preallocated key/value cache) or both; repeatable")
@@ -247,7 +250,7 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext.inference import fast_attention, prepack_output, quantize_decoder, quantize_encoder
+    from fairseq_ext.inference import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     code = git_info()
@@ -334,22 +337,13 @@ def main(argv=None):
                 cs.append(Contender(f"CTranslate2 {ct} ({label})", 1, "ct2", translator=tr,
                                     dictionary=tgt_dict, src_dict=src_dict, of=ref))
     float_ours = [c for c in cs if c.name.startswith("ours") and c.family == ""]
-    for layers in args.quantize:
+    # the opt-in variants, each over every float contender of ours: family -> fairseq_ext.inference speed-ups
+    variants = [(f"int8 {layers}", INT8_SPEEDUPS[layers]) for layers in args.quantize]
+    variants += [(f"float {opt}", FLOAT_SPEEDUPS[opt]) for opt in args.float_opt]
+    for family, speedups in variants:
         for c in float_ours:
-            m = quantize_decoder(copy.deepcopy(c.model), layers="decoder" if layers == "all" else layers)
-            if layers == "all":
-                quantize_encoder(m)
-            cs.append(Contender(f"{c.name} [int8 {layers}]", c.K, f"int8 {layers}", variant=f"int8 {layers}",
-                                model=m, make_gen=ours(m), of=c))
-    for opt in args.float_opt:
-        for c in float_ours:
-            m = copy.deepcopy(c.model)
-            if opt in ("prepack", "both"):
-                prepack_output(m)
-            if opt in ("attention", "both"):
-                fast_attention(m)
-            cs.append(Contender(f"{c.name} [float {opt}]", c.K, f"float {opt}", variant=f"float {opt}",
-                                model=m, make_gen=ours(m), of=c))
+            m = apply_speedups(copy.deepcopy(c.model), speedups)
+            cs.append(Contender(f"{c.name} [{family}]", c.K, family, variant=family, model=m, make_gen=ours(m), of=c))
     n_params = {"transformer 3+3" if not args.tiny else "transformer": sum(p.numel() for p in teacher.parameters())}
     if "6+1 K=1" in models:
         n_params["transformer 6+1"] = sum(p.numel() for p in models["6+1 K=1"].parameters())

@@ -91,9 +91,9 @@ def prepack_output(model, max_rows: int = 64):
     eval mode). Float32 stays float32: the hypotheses are the float model's up to the order of the sums."""
     decoder = getattr(model, "decoder", None)
     proj = getattr(decoder, "output_projection", None)
-    if not isinstance(proj, torch.nn.Linear) or isinstance(proj, PackedLinear):
-        if isinstance(proj, PackedLinear):
-            return model.eval()
+    if isinstance(proj, PackedLinear):  # applied before
+        return model.eval()
+    if not isinstance(proj, torch.nn.Linear):
         raise FairseqExtError("prepack_output: the model's decoder has no nn.Linear output_projection (adaptive "
                               "softmax, or not a fairseq encoder-decoder model); decode it without prepack_output")
     if not torch.backends.mkl.is_available():

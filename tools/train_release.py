@@ -141,6 +141,7 @@ def main(argv=None):
     n_updates = int(trained[-1]) if trained else updates
     with open(os.path.join(args.workdir, "logs", f"train-{args.arch}-{src}-{tgt}.log"), encoding="utf-8") as f:
         done = re.findall(r"done training in ([\d.]+) seconds", f.read())
+    threads = int(env.get("OMP_NUM_THREADS", "2"))
     meta = {
         "arch": args.arch, "name": name, "corpus": args.corpus, "direction": direction,
         "command": "python tools/train_release.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -150,11 +151,10 @@ def main(argv=None):
         "wall_seconds": round(wall), "cpu_seconds": round(cpu),
         "train_seconds": round(float(done[-1])) if done else None,
         "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
-        "threads": int(env.get("OMP_NUM_THREADS", "2")),
+        "threads": threads,
         "valid_bleu": round(valid["score"], 2), "valid_signature": valid["signature"],
         "test_bleu": test_bleu, "test_signature": test_sig,
-        "summary": summary(args.arch, n_updates, wall, cpu, int(env.get("OMP_NUM_THREADS", "2")), valid["score"],
-                           "SAT_TEACHER" in env),
+        "summary": summary(args.arch, n_updates, wall, cpu, threads, valid["score"], "SAT_TEACHER" in env),
     }
     meta_path = os.path.join(args.workdir, f"release-{args.arch}.json")
     with open(meta_path, "w", encoding="utf-8") as f:
