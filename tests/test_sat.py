@@ -6,6 +6,7 @@ In-process checks on tiny random models (exactness), then one module-scoped set 
 """
 
 import argparse
+import itertools
 import math
 import os
 import re
@@ -378,10 +379,14 @@ def _tiny_batch(bsz, seed):
 
 
 @pytest.mark.parametrize("K,beam", [(2, 2), (2, 3), (3, 2), (3, 3), (2, 1), (3, 1), (1, 3)])
-def test_group_beam_search_equals_brute_force_enumeration(K, beam):
+@pytest.mark.parametrize("step", ["enumerated", "pruned"])
+def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeypatch):
     """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
     a group and rank in the top B at their length): equal to enumerating every continuation of every
-    hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop."""
+    hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Both group steps: the rank-tuple
+    enumeration (the default) and the position-by-position prune (beams too wide for the enumeration)."""
+    if step == "pruned":
+        monkeypatch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
     checked_lengths = set()
     for seed in range(4):
         m = _tiny_sat(K, seed=100 * K + seed)
@@ -402,6 +407,35 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam):
                     assert_close(h["positional_scores"], pos.float(), 1e-4, what)
                     checked_lengths.add(len(toks) % max(K, 2))
     assert len(checked_lengths) > 1  # hypotheses ending at different positions of a group were compared
+
+
+@pytest.mark.parametrize("B,K", [(1, 3), (2, 2), (3, 4), (4, 6), (5, 3)])
+def test_rank_tuples_are_those_with_a_product_of_at_most_the_beam(B, K):
+    gen = _gen([sat_model(K, seed=1)], beam_size=B)
+    ranks, lengths, length_list = gen._rank_tuples(B, K, torch.device("cpu"))
+    got = {tuple(r[:L]) for r, L in zip(ranks.tolist(), length_list)}
+    want = {t for L in range(K + 1) for t in itertools.product(range(B), repeat=L)
+            if math.prod(r + 1 for r in t) <= B}
+    assert got == want and len(got) == ranks.size(0) and lengths.tolist() == length_list
+    assert (B, K) != (4, 6) or ranks.size(0) == 105  # the figure in the module docstring
+
+
+@pytest.mark.parametrize("K,beam", [(2, 4), (4, 4), (6, 4), (3, 5), (1, 5)])
+def test_enumerated_and_pruned_group_steps_agree(K, beam, monkeypatch):
+    """The two group steps on a larger model and vocabulary, hypotheses that end inside groups included."""
+    src, src_lengths, _, _ = _batch(bsz=4, src_len=6, seed=K)
+    opts = dict(beam_size=beam, len_penalty=0.8, max_len_a=0, max_len_b=11, min_len=2)
+    ends = set()
+    for seed in range(3):
+        for eos_boost in (1.0, 2.0):
+            m = sat_model(K, seed=20 + K + seed, eos_boost=eos_boost)
+            enumerated = _gen([m], **opts).generate([m], _sample(src, src_lengths))
+            with monkeypatch.context() as patch:
+                patch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
+                pruned = _gen([m], **opts).generate([m], _sample(src, src_lengths))
+            _same_hypos(enumerated, pruned, f"K={K} beam={beam} seed={seed} eos_boost={eos_boost}", atol=1e-5)
+            ends |= {len(h["tokens"]) % K for hs in enumerated for h in hs}
+    assert K not in (2, 4, 6) or len(ends) > 1  # hypotheses ended at different positions of a group
 
 
 @pytest.mark.parametrize("K,beam", [(2, 3), (3, 2), (4, 4), (1, 4), (3, 1)])

@@ -28,7 +28,15 @@ s(h) + sum_k lp_k(v_k | h).
   each of them by the same later words keeps them better). (iii) Globally, the top B of a sentence over all
   parents is contained in the union of the parents' top B: a continuation outside its parent's top B has B
   better ones. The hypotheses that end at j extend the top B prefixes of length j by EOS, so they are exact
-  too. ``tests/test_sat.py`` checks this against brute-force enumeration of every continuation.
+  too. (iv) Fewer candidates still: write a prefix over the L_k as its ranks r_k (0 = best). Every tuple
+  r' <= r (element-wise) scores >= r, and there are prod_k (r_k + 1) of them, so a prefix with
+  prod_k (r_k + 1) > B has B others of its parent at least as good: the tuples with prod_k (r_k + 1) <= B
+  (for B = 4, K = 6: 105 of all lengths 0..6, against 4^6 = 4,096 continuations) hold every top B.
+  The step scores them all at once, with one top-B per position for the whole group
+  (:meth:`SATSequenceGenerator._enumerated_group`); K = 1 and a beam too wide for that (over
+  ``ENUMERATE_MAX_CANDIDATES`` tuples) prune position by position as in (ii)
+  (:meth:`SATSequenceGenerator._pruned_group`). ``tests/test_sat.py`` checks both against brute-force
+  enumeration of every continuation.
 
 A plain fairseq ``transformer`` is decoded as K = 1.
 """
@@ -167,9 +175,9 @@ class _GroupSearch(SequenceGenerator):
             lprobs = self._constrain(lprobs, step, max_len)
             best_lp, best = lprobs.max(dim=-1)  # [n, K]
             tokens[:, K + step: 2 * K + step] = best
-            for k in range(K):  # cumulative scores, summed one position at a time as fairseq does
-                t = step + k
-                cum[:, t] = best_lp[:, k] if t == 0 else cum[:, t - 1] + best_lp[:, k]
+            # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
+            prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
+            cum[:, step: step + K] = torch.cat([prev_cum, best_lp], 1).cumsum(1)[:, 1:]
             if group_attn is not None:
                 if attn is None:
                     attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
@@ -198,6 +206,123 @@ class _GroupSearch(SequenceGenerator):
         return finalized
 
     # -- exact group beam search ---------------------------------------------------------------------------
+    # A group step returns (fin_list, ended, alive, X, chosen) for rows ``sentence * P + parent``:
+    #   fin_list[j][s]: the candidates that end at position j among sentence s's top B at that length, in rank
+    #     order (-1: not an ending one); ended(j, s, c) -> (row, its words in the group, its cumulative scores
+    #     in the group, EOS included); alive [N, X]: the scores of the X continuations of each row that fill
+    #     the group (-inf where a candidate does not); chosen(flat indices row * X + x) -> (words, cumulative
+    #     scores) [M, K] of those continuations.
+    ENUMERATE_MAX_CANDIDATES = 256  # rank tuples per parent up to which _enumerated_group is used
+
+    def _rank_tuples(self, B: int, K: int, device):
+        """The rank tuples (r_0..r_{L-1}), L = 0..K, with prod_k (r_k + 1) <= B, as ranks [C, K] (padded with 0)
+        and lengths [C] / list. A prefix whose ranks (indices into the per-position top B, best first) have a
+        larger product has at least B others of its parent scoring >= it (every tuple r' <= r element-wise;
+        there are prod (r_k + 1) of them), so it is never needed in a top B: these C tuples hold every parent's
+        top B prefixes of every length, and the empty prefix (L = 0), which ends at position 0."""
+        cache = self.__dict__.setdefault("_rank_tuple_cache", {})
+        key = (B, K, str(device), self.ENUMERATE_MAX_CANDIDATES)
+        if key not in cache:
+            tuples = []
+
+            def grow(prefix, prod, L):
+                if len(prefix) == L:
+                    tuples.append(prefix)
+                    return
+                for r in range(B):
+                    if prod * (r + 1) > B:
+                        break
+                    grow(prefix + (r,), prod * (r + 1), L)
+
+            for L in range(K + 1):
+                grow((), 1, L)
+                if len(tuples) > self.ENUMERATE_MAX_CANDIDATES:  # too many: the pruned step is used
+                    break
+            ranks = torch.tensor([t + (0,) * (K - len(t)) for t in tuples], dtype=torch.long, device=device)
+            lengths = [len(t) for t in tuples]
+            cache[key] = (ranks, torch.tensor(lengths, device=device), lengths)
+        return cache[key]
+
+    def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
+        """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
+        one cumulative sum and one top-B for all positions, instead of a prune per position."""
+        ranks, lengths, length_list = cands
+        N, K, B = vals.shape
+        C, J = ranks.size(0), last + 1
+        idx = ranks.t().unsqueeze(0).expand(N, K, C)
+        cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
+        # cumulative scores along each candidate: s(h), then + lp_k(v_k) per position (cumsum accumulates in
+        # double on a CPU: the same float as fairseq's running sum for K = 1, within an ulp per position beyond)
+        cand_vals = vals.gather(2, idx).transpose(1, 2)  # [N, C, K]
+        cand_cum = torch.cat([scores.view(N, 1, 1).expand(N, C, 1), cand_vals], 2).cumsum(2)  # [N, C, K + 1]
+        prefix = cand_cum.gather(2, lengths.view(1, C, 1).expand(N, C, 1)).squeeze(2)  # [N, C]
+        # ending at position L: the prefix of length L, then EOS there (none for L = K: the group is full)
+        end = prefix + eos_lp.gather(1, lengths.clamp(max=K - 1).unsqueeze(0).expand(N, C))
+        at = torch.arange(J, device=vals.device).unsqueeze(1)
+        ranked = torch.cat([end.unsqueeze(1).masked_fill(lengths.unsqueeze(0) != at, -math.inf),
+                            prefix.unsqueeze(1).masked_fill(lengths.unsqueeze(0) != at + 1, -math.inf)], 2)
+        ranked = ranked.view(n, P, J, 2 * C).transpose(1, 2).reshape(n, J, P * 2 * C)
+        top_sc, top_i = ranked.topk(B, dim=2)  # per sentence and position, the top B of that length
+        fin = torch.where((top_i % (2 * C) < C) & top_sc.ne(-math.inf), top_i, -1)
+        fin_list = fin.transpose(0, 1).tolist()  # [J, n, B]
+
+        def ended(j, s, i):
+            row, c = s * P + i // (2 * C), i % (2 * C)
+            L = length_list[c]
+            return row, cand_words[row, c, :L], torch.cat([cand_cum[row, c, 1: L + 1], end[row, c: c + 1]])
+
+        alive = prefix.masked_fill(lengths.unsqueeze(0) != K, -math.inf)
+
+        def chosen(flat):
+            return (cand_words.reshape(-1, K).index_select(0, flat),
+                    cand_cum[:, :, 1:].reshape(-1, K).index_select(0, flat))
+
+        return fin_list, ended, alive, C, chosen
+
+    def _pruned_group(self, scores, vals, words, eos_lp, n, P, last, cands):
+        """The group step position by position: the top-B prefixes of length j + 1 from those of length j and
+        the B best words at j (exact, see the module docstring); for K = 1 (a single top B) and for a beam too wide
+        for the enumeration (``cands`` is then unused)."""
+        B = vals.size(2)
+        K = vals.size(1)
+        pre_cum = (scores.unsqueeze(1) + vals[:, 0]).unsqueeze(2)  # [N, B, 1]
+        pre_words = words[:, 0].unsqueeze(2)  # [N, B, 1]
+        ended_at = []  # per position j: (cumulative scores [N, F, j+1], words [N, F, j]) of hypotheses ending at j
+        ranked = []  # per position j: top B (score, index) per sentence over the ending ones and the prefixes
+        for j in range(last + 1):
+            if j == 0:
+                end_cum = (scores + eos_lp[:, 0]).view(-1, 1, 1)
+                end_words = pre_words[:, :1, :0]
+            else:
+                end_cum = torch.cat([prev_cum, (prev_cum[:, :, -1] + eos_lp[:, j: j + 1]).unsqueeze(2)], 2)
+                end_words = prev_words
+                # the B x B sums of the top-B prefixes of length j and the B best words at j -> best B
+                ext = prev_cum[:, :, -1:] + vals[:, j].unsqueeze(1)  # [N, B, B]
+                top, flat = ext.reshape(ext.size(0), -1).topk(B, dim=1)
+                parent = torch.div(flat, B, rounding_mode="floor").unsqueeze(2).expand(-1, -1, j)
+                pre_cum = torch.cat([prev_cum.gather(1, parent), top.unsqueeze(2)], 2)
+                pre_words = torch.cat([prev_words.gather(1, parent),
+                                       words[:, j].gather(1, flat % B).unsqueeze(2)], 2)
+            F = end_cum.size(1)
+            both = torch.cat([end_cum[:, :, -1].reshape(n, P * F), pre_cum[:, :, -1].reshape(n, P * B)], 1)
+            ranked.append(both.topk(B, dim=1))
+            ended_at.append((end_cum, end_words))
+            prev_cum, prev_words = pre_cum, pre_words
+        fin = torch.stack([torch.where((top_i < e_cum.size(1) * P) & top_sc.ne(-math.inf), top_i, -1)
+                           for (top_sc, top_i), (e_cum, _) in zip(ranked, ended_at)])
+        fin_list = fin.tolist()  # [last+1, n, B]
+
+        def ended(j, s, c):
+            end_cum, end_words = ended_at[j]
+            F = end_cum.size(1)
+            row, r = s * P + c // F, c % F
+            return row, end_words[row, r], end_cum[row, r]
+
+        def chosen(flat):
+            return pre_words.reshape(-1, K).index_select(0, flat), pre_cum.reshape(-1, K).index_select(0, flat)
+
+        return fin_list, ended, pre_cum[:, :, -1], B, chosen
+
     def _group_beam_search(self, sample, bos_token: Optional[int] = None):
         """One vectorised step per group (see the module docstring for the rule and the proof of exactness).
         Rows are ``sentence * P + parent``; P = 1 at the first group (every hypothesis is the empty one), then B.
@@ -225,41 +350,16 @@ class _GroupSearch(SequenceGenerator):
             eos_lp = lprobs[:, :, eos].clone()  # [N, K]
             lprobs[:, :, eos] = -math.inf
             vals, words = lprobs.topk(B, dim=-1)  # per position, the B best non-EOS words: [N, K, B]
-
-            # top-B prefixes of every length, built position by position (exact, see the docstring)
-            pre_cum = (scores.unsqueeze(1) + vals[:, 0]).unsqueeze(2)  # [N, B, 1]
-            pre_words = words[:, 0].unsqueeze(2)  # [N, B, 1]
-            ended = []  # per position j: (cumulative scores [N, F, j+1], words [N, F, j]) of hypotheses ending at j
-            ranked = []  # per position j: top B (score, index) per sentence over the ending ones and the prefixes
-            for j in range(last + 1):
-                if j == 0:
-                    end_cum = (scores + eos_lp[:, 0]).view(-1, 1, 1)
-                    end_words = pre_words[:, :1, :0]
-                else:
-                    end_cum = torch.cat([prev_cum, (prev_cum[:, :, -1] + eos_lp[:, j: j + 1]).unsqueeze(2)], 2)
-                    end_words = prev_words
-                    # the B x B sums of the top-B prefixes of length j and the B best words at j -> best B
-                    ext = prev_cum[:, :, -1:] + vals[:, j].unsqueeze(1)  # [N, B, B]
-                    top, flat = ext.reshape(ext.size(0), -1).topk(B, dim=1)
-                    parent = torch.div(flat, B, rounding_mode="floor").unsqueeze(2).expand(-1, -1, j)
-                    pre_cum = torch.cat([prev_cum.gather(1, parent), top.unsqueeze(2)], 2)
-                    pre_words = torch.cat([prev_words.gather(1, parent),
-                                           words[:, j].gather(1, flat % B).unsqueeze(2)], 2)
-                F = end_cum.size(1)
-                both = torch.cat([end_cum[:, :, -1].reshape(n, P * F), pre_cum[:, :, -1].reshape(n, P * B)], 1)
-                top_sc, top_i = both.topk(B, dim=1)
-                ranked.append((top_sc, top_i))
-                ended.append((end_cum, end_words))
-                prev_cum, prev_words = pre_cum, pre_words
+            # K = 1 (one position, fairseq's beam): the prune is a single top-B, fewer ops than the enumeration
+            cands = self._rank_tuples(B, K, dev) if K > 1 else None
+            enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
+            group = (self._enumerated_group if enumerate_ else self._pruned_group)(
+                scores, vals, words, eos_lp, n, P, last, cands)
+            fin_list, ended, alive, X, chosen = group
 
             # the host needs which hypotheses end (in rank order, per position): one read per group
-            fin = torch.stack([torch.where((top_i < e_cum.size(1) * P) & top_sc.ne(-math.inf), top_i, -1)
-                               for (top_sc, top_i), (e_cum, _) in zip(ranked, ended)])
-            fin_list = fin.tolist()  # [last+1, n, B]
             done = [False] * n
             for j in range(last + 1):
-                end_cum, end_words = ended[j]
-                F = end_cum.size(1)
                 for s in range(n):
                     if done[s]:
                         continue
@@ -267,10 +367,9 @@ class _GroupSearch(SequenceGenerator):
                     for c in fin_list[j][s]:
                         if c < 0 or len(hyps) >= B:
                             continue
-                        row, r = s * P + c // F, c % F
-                        words_ = torch.cat([tokens[row, K: K + step], end_words[row, r],
-                                            tokens.new_full((1,), eos)])
-                        cums = torch.cat([cum[row, :step], end_cum[row, r]])
+                        row, tail_words, tail_cum = ended(j, s, c)
+                        words_ = torch.cat([tokens[row, K: K + step], tail_words, tokens.new_full((1,), eos)])
+                        cums = torch.cat([cum[row, :step], tail_cum])
                         a = None
                         if attn is not None:
                             a = torch.cat([attn[row, :, :step], group_attn[row, : j + 1].transpose(0, 1).float()], 1)
@@ -285,14 +384,13 @@ class _GroupSearch(SequenceGenerator):
 
             # the next hypotheses: the exact top B K-word continuations of each remaining sentence
             keep = torch.tensor(keep_sents, device=dev)
-            alive = pre_cum[:, :, -1].reshape(n, P * B).index_select(0, keep)
-            scores, sel = alive.topk(B, dim=1)  # [n', B]
-            rows = (keep.unsqueeze(1) * P + torch.div(sel, B, rounding_mode="floor")).view(-1)
-            cand = rows * B + sel.view(-1) % B  # index into the [N * B] continuations
+            scores, sel = alive.reshape(n, P * X).index_select(0, keep).topk(B, dim=1)  # [n', B]
+            rows = (keep.unsqueeze(1) * P + torch.div(sel, X, rounding_mode="floor")).view(-1)
+            new_words, new_cum = chosen(rows * X + sel.view(-1) % X)  # [n' * B, K] each
             tokens = tokens.index_select(0, rows)
-            tokens[:, K + step: 2 * K + step] = pre_words.reshape(-1, K).index_select(0, cand)
+            tokens[:, K + step: 2 * K + step] = new_words
             cum = cum.index_select(0, rows)
-            cum[:, step: step + K] = pre_cum.reshape(-1, K).index_select(0, cand)
+            cum[:, step: step + K] = new_cum
             if attn is not None:
                 attn = attn.index_select(0, rows)
                 attn[:, :, step: step + K] = group_attn.index_select(0, rows).transpose(1, 2)
