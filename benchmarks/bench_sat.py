@@ -45,6 +45,13 @@ K = 2 / 4 / 6), ours K=1 against fairseq's generator and --baseline-rev, and SAT
 ({contender: {"greedy": ms, "beam4": ms}}) and the details. Timings on a shared machine are noisy: compare
 the ratios, which are measured in one run; the absolute numbers are printed beside them. Exit status 1 when
 a target is missed.
+
+Batch-1 timing: each contender decodes --block consecutive sentences (default 10: a model translating a
+stream of sentences, as fairseq-interactive does, its weights warm in the caches), the contenders in a new
+random order for every block of sentences (so that load changes during the run fall on all of them alike).
+``--block 1`` interleaves the contenders sentence by sentence (runs A-E in docs/sat_transformer.md): every
+sentence then starts with the weights of the previous contender in the caches, which costs SAT more than K=1
+(fewer decoder calls share the refill).
 """
 
 import argparse
@@ -92,6 +99,9 @@ def parse_args(argv=None):
     p.add_argument("--throughput-sentences", type=int, default=1000,
                    help="test sentences of the throughput runs and BLEU (default: the whole test set, 1000)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: one sentence on one core)")
+    p.add_argument("--block", type=int, default=10,
+                   help="batch-1 sentences each contender decodes in a row before the next one (default 10; 1: "
+                        "interleaved sentence by sentence, caches cold for every sentence)")
     p.add_argument("--no-throughput", action="store_true", help="only the batch-1 latencies")
     p.add_argument("--kd-beam", type=int, default=4,
                    help="beam of the teacher's distillation decode of the training set (0: no distillation)")
@@ -367,23 +377,32 @@ def main(argv=None):
         for c in cs:  # warm-up
             c.decode(samples[0], beam, gen_opts)
         t_mode = time.perf_counter()
-        for sample in samples:
+        for first in range(0, len(samples), args.block):
+            block = samples[first: first + args.block]
             order = list(range(len(cs)))
             rng.shuffle(order)
-            lens, dts = [0] * len(cs), [0.0] * len(cs)
+            lens = [[0] * len(cs) for _ in block]
+            dts = [[0.0] * len(cs) for _ in block]
+            outs = [[None] * len(cs) for _ in block]
             for j in order:
-                dts[j], out, n_calls = cs[j].decode(sample, beam, gen_opts)
-                tot[j] += dts[j]
-                calls[j] += n_calls
-                lens[j] = len(out[0])
-                toks[j] += lens[j]
-                hyps[j].append(out[0])
-            for j in range(len(cs)):  # bucketed by the output length of ours K=1
-                per_sentence[j].append((lens[base_j], dts[j]))
-            t0 = time.perf_counter()  # the encoder pass alone: the part of a sentence's time no K can shrink
-            with torch.no_grad():
-                teacher.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
-            enc_s += time.perf_counter() - t0
+                for i, sample in enumerate(block):
+                    dts[i][j], out, n_calls = cs[j].decode(sample, beam, gen_opts)
+                    calls[j] += n_calls
+                    outs[i][j] = out[0]
+            for i, sample in enumerate(block):
+                for j in range(len(cs)):
+                    tot[j] += dts[i][j]
+                    lens[i][j] = len(outs[i][j])
+                    toks[j] += lens[i][j]
+                    hyps[j].append(outs[i][j])
+                for j in range(len(cs)):  # bucketed by the output length of ours K=1
+                    per_sentence[j].append((lens[i][base_j], dts[i][j]))
+            for sample in block:  # the encoder pass alone: the part of a sentence's time no K can shrink
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    teacher.encoder(sample["net_input"]["src_tokens"],
+                                    src_lengths=sample["net_input"]["src_lengths"])
+                enc_s += time.perf_counter() - t0
         analysis[f"{mode}_encoder_ms"] = 1000 * enc_s / len(samples)
         hyps_b1[mode] = hyps
         for j, c in enumerate(cs):
@@ -449,7 +468,8 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
     src = ("random-init models (" + ("tiny" if args.tiny else "quickstart size: d 256, FFN 512, 4 heads") +
            f"), random sources of {RANDOM_SIZES['tiny' if args.tiny else 'full']['src_mean']} tokens on average"
            if args.random_init else "bundled de-en test set")
-    print(f"SAT decoding benchmark: {src}, batch 1 on {args.sentences} sentences, torch threads {args.threads}, "
+    print(f"SAT decoding benchmark: {src}, batch 1 on {args.sentences} sentences (each contender {args.block} in a "
+          f"row, contenders in random order per block), torch threads {args.threads}, "
           f"load average {load_before[0]:.1f} before / {load_after[0]:.1f} after on {os.cpu_count()} cores "
           f"(shared machine: compare ratios); {started} - {finished}; code: HEAD {code['head']}, "
           f"generator.py {code['fairseq_ext/sat/generator.py']['sha1']}"
@@ -569,7 +589,7 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
                        "checks": checks, "results": results,
                        "analysis": {"encoder_ms": E, "k1_call_ms": c1}, "params": n_params,
                        "settings": {"random_init": args.random_init, "tiny": args.tiny, "sentences": args.sentences,
-                                    "fixed_length": args.fixed_length, "threads": args.threads,
+                                    "fixed_length": args.fixed_length, "threads": args.threads, "block": args.block,
                                     "quantize": args.quantize, "baseline_rev": args.baseline_rev},
                        "code": code, "started": started, "finished": finished,
                        "load": [load_before, load_after]}, f, indent=1)

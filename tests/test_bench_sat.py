@@ -27,8 +27,8 @@ def tiny_run(tmp_path_factory):
     """One tiny --random-init run with every contender: the anchors (CTranslate2 when installed), K = 2, 4, 6,
     the 6+1 family, the int8-output variant and the float32 opt-ins (prepack + fast attention)."""
     out = tmp_path_factory.mktemp("bench_sat") / "bench.json"
-    cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "1",
-           "--no-throughput", "--json", str(out), "--quantize", "output", "--float-opt", "both"]
+    cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "3",
+           "--block", "2", "--no-throughput", "--json", str(out), "--quantize", "output", "--float-opt", "both"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     # exit 1 = a speed target missed (meaningless at this size); anything else is a failure
@@ -48,6 +48,9 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
     for name, r in ms.items():
         for mode in ("greedy", "beam4"):
             assert math.isfinite(r[mode]) and r[mode] > 0, (name, mode, r)
+            # every sentence timed once per contender, in blocks of 2 and 1 (--sentences 3 --block 2)
+            assert len(res["results"][name][f"{mode}_b1_ms_per_sentence"]) == 3, (name, mode)
+    assert res["settings"]["block"] == 2
     # the speed-ups are our K=1's time over each SAT's, in the same run, for K = 2, 4, 6
     sp = res["speedup_vs_k1"]
     assert set(sp) == {"greedy", "beam4"}
