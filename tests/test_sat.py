@@ -420,7 +420,7 @@ def test_rank_tuples_are_those_with_a_product_of_at_most_the_beam(B, K):
     assert (B, K) != (4, 6) or ranks.size(0) == 105  # the figure in the module docstring
 
 
-@pytest.mark.parametrize("K,beam", [(2, 4), (4, 4), (6, 4), (3, 5), (1, 5)])
+@pytest.mark.parametrize("K,beam", [(2, 4), (4, 4), (6, 4), (3, 5), (2, 6)])
 def test_enumerated_and_pruned_group_steps_agree(K, beam, monkeypatch):
     """The two group steps on a larger model and vocabulary, hypotheses that end inside groups included."""
     src, src_lengths, _, _ = _batch(bsz=4, src_len=6, seed=K)
@@ -429,7 +429,9 @@ def test_enumerated_and_pruned_group_steps_agree(K, beam, monkeypatch):
     for seed in range(3):
         for eos_boost in (1.0, 2.0):
             m = sat_model(K, seed=20 + K + seed, eos_boost=eos_boost)
-            enumerated = _gen([m], **opts).generate([m], _sample(src, src_lengths))
+            with monkeypatch.context() as patch:  # the default step must be the enumeration here
+                patch.setattr(SATSequenceGenerator, "_pruned_group", None)
+                enumerated = _gen([m], **opts).generate([m], _sample(src, src_lengths))
             with monkeypatch.context() as patch:
                 patch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
                 pruned = _gen([m], **opts).generate([m], _sample(src, src_lengths))
