@@ -337,6 +337,11 @@ class _GroupSearch(SequenceGenerator):
         sents: List[int] = list(range(bsz))  # sentence of each block of P rows
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         P = 1
+        # the group step, chosen once per search: K = 1 (one position, fairseq's beam) prunes with a single top B,
+        # fewer ops than the enumeration; so does a beam with too many rank tuples
+        cands = self._rank_tuples(B, K, dev) if K > 1 else None
+        enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
+        group_step = self._enumerated_group if enumerate_ else self._pruned_group
         for step in range(0, n_steps, K):
             n = len(sents)
             lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
@@ -350,12 +355,7 @@ class _GroupSearch(SequenceGenerator):
             eos_lp = lprobs[:, :, eos].clone()  # [N, K]
             lprobs[:, :, eos] = -math.inf
             vals, words = lprobs.topk(B, dim=-1)  # per position, the B best non-EOS words: [N, K, B]
-            # K = 1 (one position, fairseq's beam): the prune is a single top-B, fewer ops than the enumeration
-            cands = self._rank_tuples(B, K, dev) if K > 1 else None
-            enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
-            group = (self._enumerated_group if enumerate_ else self._pruned_group)(
-                scores, vals, words, eos_lp, n, P, last, cands)
-            fin_list, ended, alive, X, chosen = group
+            fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
 
             # the host needs which hypotheses end (in rank order, per position): one read per group
             done = [False] * n
