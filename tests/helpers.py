@@ -11,6 +11,14 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 USER_DIR = os.path.join(ROOT, "fairseq_ext")
 
+DEMO = {  # examples/quickstart.sh's demo sentences and words their translation must contain
+    "Und der König sandte Boten in die Stadt und ließ das Volk versammeln.": ("king", "sent", "city", "people"),
+    "Fürchtet euch nicht, denn der Herr ist mit euch.": ("afraid", "Lord", "with you"),
+}
+# the MSC release (17.4 test BLEU, the weakest) translates "der König sandte Boten" as "the messengers sent
+# messengers" (after the quickstart's 400 more updates: "The king sent messengers to the city")
+DEMO_MSC = [("sent messengers", "city", "people"), ("afraid", "Lord", "with you")]
+
 
 def create_dummy_data(data_dir, num_examples=100, maxlen=20, seed=0, splits=("train", "valid", "test")):
     """Random a-z "words" in ``{split}.in`` / ``{split}.out`` whose target is a function of the source

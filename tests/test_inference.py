@@ -21,7 +21,7 @@ from fairseq_ext.sat.model import SATModel, sat_decoder_input
 from tests.builders import SAT_DICT as DICT
 from tests.builders import SatTask, sat_args, sat_model, sat_sample
 from tests.helpers import ROOT, assert_close, run_cli
-from tests.test_release import DEMO
+from tests.helpers import DEMO
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

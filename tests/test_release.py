@@ -12,7 +12,7 @@ import torch
 
 from fairseq_ext.checkpoint_io import load_checkpoint_file
 from fairseq_ext.release import ReleaseError, pack, read_manifest, release_state, verify
-from tests.helpers import ROOT, run_module
+from tests.helpers import DEMO, DEMO_MSC, ROOT, run_module
 
 RELEASES = os.path.join(ROOT, "releases")
 
@@ -154,15 +154,6 @@ def test_shipped_release_matches_its_manifest_and_loads_safely(release_dir, name
         assert field in entry, field
     assert entry["valid_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert os.path.getsize(path) == entry["bytes"] < 20 * 2**20  # small enough to live in git
-
-
-DEMO = {  # examples/quickstart.sh's demo sentences and words their translation must contain
-    "Und der König sandte Boten in die Stadt und ließ das Volk versammeln.": ("king", "sent", "city", "people"),
-    "Fürchtet euch nicht, denn der Herr ist mit euch.": ("afraid", "Lord", "with you"),
-}
-# the MSC release (17.4 test BLEU, the weakest) translates "der König sandte Boten" as "the messengers sent
-# messengers" (after the quickstart's 400 more updates: "The king sent messengers to the city")
-DEMO_MSC = [("sent messengers", "city", "people"), ("afraid", "Lord", "with you")]
 
 
 @pytest.mark.slow
