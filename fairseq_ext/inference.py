@@ -309,6 +309,7 @@ SPEEDUPS = {  # name -> function(model); applied in this order
     "int8-encoder": quantize_encoder,
     "fast-attention": fast_attention,
     "prepack": prepack_output,
+    "lean-decoder": lambda m: __import__("fairseq_ext.lean_decoder", fromlist=["lean_decoder"]).lean_decoder(m),
 }
 
 

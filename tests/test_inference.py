@@ -12,9 +12,11 @@ from fairseq.models.transformer import TransformerModel
 from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
+import fairseq_ext.lean_decoder as lean_module
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference import (FastIncrementalAttention, PackedLinear, apply_speedups, fast_attention,
                                    prepack_output, quantize_decoder)
+from fairseq_ext.lean_decoder import LeanIncrementalDecoding, lean_decoder
 from fairseq_ext.release import read_manifest, verify
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, sat_decoder_input
@@ -188,6 +190,131 @@ def test_refusals():
         fast_attention(torch.nn.Linear(2, 2))
     with pytest.raises(FairseqExtError, match="output_projection"):
         prepack_output(torch.nn.Linear(2, 2))
+
+
+# -- lean_decoder ----------------------------------------------------------------------------------------------
+def _lean_pair(K, seed, **kw):
+    """A SAT model and a copy of it with the lean incremental step (same weights)."""
+    torch.manual_seed(seed)
+    plain = SATModel.build_model(sat_args("sat_transformer", K, **kw), SatTask()).eval()
+    lean = SATModel.build_model(sat_args("sat_transformer", K, **kw), SatTask()).eval()
+    lean.load_state_dict(plain.state_dict())
+    return plain, lean_decoder(lean)
+
+
+@pytest.mark.parametrize("K,kw", [(1, {}), (2, {}), (3, {}), (2, {"learned": True}),
+                                  (2, {"decoder_normalize_before": True}), (1, {"decoder_normalize_before": True})])
+def test_lean_decoder_incremental_equals_full_pass(K, kw, monkeypatch):
+    monkeypatch.setattr(lean_module, "CACHE_BLOCK", 4)  # the cache grows several times
+    plain, m = _lean_pair(K, 21, **kw)
+    assert isinstance(m.decoder, LeanIncrementalDecoding) and not isinstance(plain.decoder, LeanIncrementalDecoding)
+    src, lengths, prev = _batch()
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        full, full_extra = plain.decoder(sat_in, enc)
+        state, outs, attns = {}, [], []
+        # one group per call, then several groups at once (the relaxed mask within the step)
+        for end in list(range(K, 4 * K + 1, K)) + [sat_in.size(1)]:
+            out, extra = m.decoder(sat_in[:, :end], enc, incremental_state=state)
+            outs.append(out)
+            attns.append(extra["attn"][0])
+    assert_close(torch.cat(outs, 1), full, 1e-5, f"K={K} {kw} lean incremental vs full pass")
+    assert_close(torch.cat(attns, 1), full_extra["attn"][0], 1e-5, "alignment attention")
+    lean_state = state[lean_module.STATE_KEY]
+    assert lean_state["kbuf0"].size(2) >= sat_in.size(1) > 4  # grown past CACHE_BLOCK
+    assert lean_state["k0"].data_ptr() == lean_state["kbuf0"].data_ptr()  # the cache is a view, not a copy
+    assert not any(k != lean_module.STATE_KEY for k in state)  # fairseq's caches were not used
+
+
+@pytest.mark.parametrize("K", [1, 2])
+def test_lean_decoder_reorder_with_a_permutation(K):
+    plain, m = _lean_pair(K, 22)
+    src, lengths, prev = _batch()
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    with torch.no_grad():
+        # across sentences, with repeats and with rows dropped: the source keys and values follow the rows
+        for perm in (torch.tensor([3, 1, 1, 0]), torch.tensor([3, 2]), torch.tensor([2, 0, 3, 1])):
+            enc = m.encoder(src, lengths)
+            full, full_extra = plain.decoder(sat_in[perm], m.encoder.reorder_encoder_out(enc, perm))
+            state = {}
+            m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
+            m.decoder.reorder_incremental_state_scripting(state, perm)
+            second, extra = m.decoder(sat_in[perm, : 3 * K], m.encoder.reorder_encoder_out(enc, perm),
+                                      incremental_state=state)
+            assert_close(second, full[:, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
+            assert_close(extra["attn"][0], full_extra["attn"][0][:, 2 * K: 3 * K], 1e-5, "attention after reorder")
+
+
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_lean_decoder_keeps_the_hypotheses(K):
+    plain, m = _lean_pair(K, 23)
+    with torch.no_grad():
+        for mm in (plain, m):
+            mm.decoder.output_projection.weight[DICT.eos()] *= 2.0  # hypotheses end at different lengths
+    apply_speedups(m, "prepack")
+    src, lengths, _ = _batch(bsz=5, seed=7)
+    sample = sat_sample(src, lengths)
+    for beam in (1, 4):
+        opts = dict(beam_size=beam, max_len_a=1.0, max_len_b=5)
+        a = SATSequenceGenerator([plain], DICT, **opts).generate([plain], sample)
+        b = SATSequenceGenerator([m], DICT, **opts).generate([m], sample)
+        for ha, hb in zip(a, b):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], (K, beam)
+            for x, y in zip(ha, hb):
+                assert abs(float(x["score"]) - float(y["score"])) < 1e-5
+                assert_close(x["positional_scores"], y["positional_scores"], 1e-5, "positional scores")
+                assert_close(x["attention"], y["attention"], 1e-5, "alignment attention")
+
+
+def test_lean_decoder_on_a_fairseq_transformer_with_fairseq_and_sat_generators():
+    """The plain ``transformer`` (bench_sat's 'ours K=1'): fairseq's SequenceGenerator feeds one token a step
+    and reorders the caches after every step; the SAT generator decodes it as K = 1."""
+    torch.manual_seed(24)
+    plain = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
+    m = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
+    m.load_state_dict(plain.state_dict())
+    apply_speedups(m, "lean-decoder")
+    src, lengths, _ = _batch(bsz=3, seed=9)
+    sample = sat_sample(src, lengths)
+    for gen in (SequenceGenerator, SATSequenceGenerator):
+        a = gen([plain], DICT, beam_size=3, max_len_b=6).generate([plain], sample)
+        b = gen([m], DICT, beam_size=3, max_len_b=6).generate([m], sample)
+        for ha, hb in zip(a, b):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], gen.__name__
+            assert all(abs(float(x["score"]) - float(y["score"])) < 1e-5 for x, y in zip(ha, hb))
+
+
+def test_lean_decoder_falls_back_where_it_does_not_apply():
+    # int8 projections: called one by one; greedy and beam decode
+    m = lean_decoder(quantize_decoder(sat_model(2, seed=25), layers="decoder"))
+    src, lengths, prev = _batch(bsz=2)
+    out = SATSequenceGenerator([m], DICT, beam_size=2, max_len_a=0, max_len_b=4, min_len=4).generate(
+        [m], sat_sample(src, lengths))
+    assert [len(h[0]["tokens"]) for h in out] == [5, 5]
+    # training: fairseq's path (autograd, dropout), so the loss and its gradients are the plain model's
+    plain, t = _lean_pair(2, 26)
+    plain.train(), t.train()
+    lp, lt = plain(src, lengths, prev)[0].sum(), t(src, lengths, prev)[0].sum()
+    lp.backward(), lt.backward()
+    assert float(lp) == float(lt)
+    assert torch.equal(plain.decoder.layers[0].fc1.weight.grad, t.decoder.layers[0].fc1.weight.grad)
+    # fairseq's SequenceGenerator on a K = 2 model (one token a step) keeps the decoder's own clear refusal
+    with pytest.raises(FairseqExtError, match="--task translation_sat"):
+        SequenceGenerator([t.eval()], DICT, beam_size=1, max_len_b=3).generate([t], sat_sample(src, lengths))
+
+
+def test_lean_decoder_refuses_what_it_does_not_compute():
+    with pytest.raises(FairseqExtError, match="no .decoder"):
+        lean_decoder(torch.nn.Linear(2, 2))
+    torch.manual_seed(0)
+    m = SATModel.build_model(sat_args("sat_transformer", 2, cross_self_attention=True), SatTask())
+    with pytest.raises(FairseqExtError, match="decoder layer 0 has cross-self-attention.*without lean-decoder"):
+        lean_decoder(m)
+    # decoders that compute other features (MSC's block-scale collaboration) are refused, not run wrongly
+    from tests.builders import msc_build
+    with pytest.raises(FairseqExtError, match="is not fairseq's transformer decoder.*without lean-decoder"):
+        lean_decoder(msc_build()[0])
 
 
 # -- apply_speedups and --inference-speedups ------------------------------------------------------------------

@@ -1,0 +1,291 @@
+"""A lean incremental decoder step for CPU decoding (opt-in: ``--inference-speedups lean-decoder``, or
+:func:`lean_decoder`): the same float32 products as fairseq's ``TransformerDecoderLayerBase`` and
+``MultiheadAttention``, without their per-call bookkeeping.
+
+At batch 1 a decoder call of the quickstart model (d 256, 3 layers) multiplies a handful of rows by each weight;
+most of its time is not in those products but in the ~800 PyTorch operations and Python calls around them
+(fairseq's incremental-state dictionaries with their string keys, module calls, dropout and residual helpers,
+shape checks; docs/sat_transformer.md, speed section). This step does per layer what the layer computes and
+nothing else:
+
+* self-attention: one fused Q/K/V projection, the new keys and values written into a key/value cache
+  preallocated ``CACHE_BLOCK`` positions at a time, ``F.scaled_dot_product_attention``;
+* encoder-decoder attention: the source keys and values projected once per sentence (first step) and kept;
+  the alignment layer (fairseq's default: the last) computes its weights explicitly, as the generator returns
+  them as the hypothesis attention;
+* the feed-forward block; layer norms before or after each block as the model was trained.
+
+It runs when the decoder is called with an incremental state, outside training and autograd, for any number
+of new positions that is a multiple of the decoder's group size K (1 for a plain transformer; several groups
+get the relaxed causal mask, one group none). Everything else (training, full passes, fairseq's own
+``SequenceGenerator``, which feeds one token at a time to a K > 1 model) takes the decoder's own code. The
+state lives in the incremental state under one key and is reordered by ``reorder_incremental_state`` like
+fairseq's. Float32 stays float32; the sums are ordered differently (differences ~1e-6), so hypotheses equal
+the plain model's except at near-ties (``tests/test_inference.py``: incremental == full pass within 1e-5,
+reorders with permutations, same hypotheses as the plain model).
+
+Decoders it refuses, with one line: layers with cross-self-attention, NormFormer's extra norms or scaled
+residuals (``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder
+attention, an adaptive softmax, or the alignment layer's weights from several layers.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq_ext.errors import FairseqExtError
+
+STATE_KEY = "fairseq_ext.lean_decoder"
+CACHE_BLOCK = 64
+
+
+def _computes_what_fairseq_does(decoder) -> bool:
+    """The decoder's features are fairseq's transformer decoder's (or the SAT decoder's, which differs only in
+    how many positions a step adds): a decoder that overrides them (MSC, BERT-JAM) computes something else."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    from fairseq_ext.sat.model import SATDecoder
+
+    own = type(decoder).extract_features_scriptable
+    return isinstance(decoder, TransformerDecoderBase) and own in (
+        TransformerDecoderBase.extract_features_scriptable, SATDecoder.extract_features_scriptable)
+
+
+def _check(decoder):
+    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+    layers = list(getattr(decoder, "layers", []))
+    if not layers or not _computes_what_fairseq_does(decoder):
+        raise FairseqExtError(f"lean_decoder: {type(decoder).__name__} is not fairseq's transformer decoder (or the "
+                              f"SAT decoder); its own step is not the lean one: decode it without lean-decoder")
+    for i, layer in enumerate(layers):
+        why = None
+        if not (isinstance(layer, TransformerDecoderLayerBase)
+                and type(layer).forward is TransformerDecoderLayerBase.forward):
+            why = f"its own layer code ({type(layer).__name__})"
+        elif getattr(layer, "cross_self_attention", False):
+            why = "cross-self-attention"
+        elif any(getattr(layer, a, None) is not None for a in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")):
+            why = "NormFormer's extra layer norms / scaled residuals"
+        elif getattr(layer, "encoder_attn", None) is None:
+            why = "no encoder attention"
+        else:
+            for att in (layer.self_attn, layer.encoder_attn):
+                if att.bias_k is not None or att.add_zero_attn:
+                    why = "bias_k / zero attention"
+                elif not (att.qkv_same_dim and att.head_dim * att.num_heads == att.embed_dim):
+                    why = "keys and values of another size than the queries"
+        if why:
+            raise FairseqExtError(f"lean_decoder: decoder layer {i} has {why}, which the lean step does not "
+                                  f"compute; decode this model without lean-decoder")
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        raise FairseqExtError("lean_decoder: the decoder has an adaptive softmax; decode it without lean-decoder")
+
+
+def _fused_qkv(att):
+    """The three projections of ``att`` as one weight [3C, C] and bias (re-made when a weight changes), or None
+    when one is not a float ``nn.Linear`` (e.g. int8): then they are called one by one."""
+    ws = (att.q_proj, att.k_proj, att.v_proj)
+    if not all(type(m) is torch.nn.Linear for m in ws):
+        return None
+    version = tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
+    if getattr(att, "_lean_qkv_version", None) != version:
+        with torch.no_grad():
+            att._lean_qkv = (torch.cat([m.weight for m in ws]).detach(),
+                             torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                        for m in ws]).detach())
+        att._lean_qkv_version = version
+    return att._lean_qkv
+
+
+def _heads(x: Tensor, H: int) -> Tensor:  # [T, B, C] -> [B, H, T, d]
+    T, B, C = x.shape
+    return x.view(T, B, H, C // H).permute(1, 2, 0, 3)
+
+
+def _merge(a: Tensor) -> Tensor:  # [B, H, T, d] -> [T, B, H * d]
+    B, H, T, d = a.shape
+    return a.permute(2, 0, 1, 3).reshape(T, B, H * d)
+
+
+class LeanIncrementalDecoding:
+    """Mixed into a decoder's class by :func:`lean_decoder` (before the decoder's own class): overrides
+    ``extract_features_scriptable`` for incremental steps and ``reorder_incremental_state`` for its state."""
+
+    def _lean_applies(self, prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
+        if incremental_state is None or self.training or full_context_alignment:
+            return False
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.layers[0].parameters()):
+            return False
+        if alignment_layer is not None and alignment_layer != self.num_layers - 1:
+            return False
+        state = incremental_state.get(STATE_KEY)
+        if state is None and self._fairseq_cached_length(incremental_state) > 0:
+            return False  # a state that fairseq's path began (e.g. before lean_decoder was applied)
+        n = 0 if state is None else state["k0"].size(2)
+        new = prev_output_tokens.size(1) - n
+        K = int(getattr(self, "group_size", 1))
+        return new > 0 and new % K == 0
+
+    def _fairseq_cached_length(self, incremental_state) -> int:
+        buf = self.layers[0].self_attn._get_input_buffer(incremental_state)
+        prev_key = buf.get("prev_key") if buf is not None else None
+        return 0 if prev_key is None else prev_key.size(2)
+
+    def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
+                                    full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
+                                    alignment_heads: Optional[int] = None):
+        if not self._lean_applies(prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
+            return super().extract_features_scriptable(
+                prev_output_tokens, encoder_out, incremental_state, full_context_alignment=full_context_alignment,
+                alignment_layer=alignment_layer, alignment_heads=alignment_heads)
+        return self._lean_step(prev_output_tokens, encoder_out, incremental_state, alignment_heads)
+
+    def _lean_positions(self, prev_output_tokens: Tensor, n: int) -> Optional[Tensor]:
+        """Positional embeddings of positions n..slen-1 (the prefix of incremental decoding has no padding:
+        position t is ``padding_idx + 1 + t``, what fairseq's ``make_positions`` gives)."""
+        ep = self.embed_positions
+        if ep is None:
+            return None
+        bsz, slen = prev_output_tokens.size()
+        table = getattr(ep, "weights", None)
+        if table is None and isinstance(getattr(ep, "weight", None), Tensor):
+            table = ep.weight
+        if table is None or ep.padding_idx + 1 + slen > table.size(0):
+            return ep(prev_output_tokens)[:, n:]
+        return table[ep.padding_idx + 1 + n: ep.padding_idx + 1 + slen].unsqueeze(0).expand(bsz, -1, -1)
+
+    def _lean_step(self, prev_output_tokens, encoder_out, incremental_state, alignment_heads):
+        from fairseq_ext.decoder_features import decoder_output, embed_decoder_input
+
+        state: Dict[str, Optional[Tensor]] = incremental_state.setdefault(STATE_KEY, {})
+        bsz, slen = prev_output_tokens.size()
+        n = 0 if state.get("k0") is None else state["k0"].size(2)
+        T = slen - n
+        K = int(getattr(self, "group_size", 1))
+        x = embed_decoder_input(self, prev_output_tokens[:, n:], self._lean_positions(prev_output_tokens, n))
+        mask: Optional[Tensor] = None
+        if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
+            from fairseq_ext.sat.model import relaxed_causal_mask
+            mask = relaxed_causal_mask(n, slen, K, x)
+
+        enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
+        if enc is None:
+            raise FairseqExtError("lean_decoder: the decoder was called without an encoder output")
+        if "cross_mask" not in state:  # first step: the source's padding as an attention mask (True: attend)
+            pads = encoder_out.get("encoder_padding_mask") or []
+            pad = pads[0] if len(pads) > 0 else None
+            state["cross_mask"] = None if pad is None or not bool(pad.any()) else \
+                (~pad.to(torch.bool)).view(pad.size(0), 1, 1, pad.size(1))
+        cross_mask = state["cross_mask"]
+
+        attn: Optional[Tensor] = None
+        inner_states: List[Optional[Tensor]] = [x]
+        last = self.num_layers - 1
+        for i, layer in enumerate(self.layers):
+            nb = layer.normalize_before
+            sa, ca = layer.self_attn, layer.encoder_attn
+            H = sa.num_heads
+            # self-attention over the cache and the new positions
+            residual = x
+            h = layer.self_attn_layer_norm(x) if nb else x
+            fused = _fused_qkv(sa)
+            if fused is not None:
+                q, k, v = F.linear(h, fused[0], fused[1]).chunk(3, dim=-1)
+            else:
+                q, k, v = sa.q_proj(h), sa.k_proj(h), sa.v_proj(h)
+            q, k, v = _heads(q, H), _heads(k, H), _heads(v, H)
+            keys, values = self._lean_cache(state, i, k, v, n)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=sa.scaling)
+            x = residual + sa.out_proj(_merge(a))
+            if not nb:
+                x = layer.self_attn_layer_norm(x)
+            # encoder-decoder attention: the source keys and values projected on the first step
+            residual = x
+            h = layer.encoder_attn_layer_norm(x) if nb else x
+            ck, cv = state.get(f"ck{i}"), state.get(f"cv{i}")
+            if ck is None:
+                ck, cv = _heads(ca.k_proj(enc), ca.num_heads), _heads(ca.v_proj(enc), ca.num_heads)
+                state[f"ck{i}"], state[f"cv{i}"] = ck, cv
+            q = _heads(ca.q_proj(h), ca.num_heads)
+            if i == last:  # the alignment layer: the weights too (fairseq's bmm / softmax in float / bmm)
+                scores = torch.matmul(q * ca.scaling, ck.transpose(-1, -2))
+                if cross_mask is not None:
+                    scores = scores.masked_fill(~cross_mask, float("-inf"))
+                weights = torch.softmax(scores.float(), dim=-1).type_as(scores)
+                a = torch.matmul(weights, cv)
+                attn = weights.transpose(0, 1)  # [H, B, T, S], as fairseq's need_head_weights returns them
+            else:
+                a = F.scaled_dot_product_attention(q, ck, cv, attn_mask=cross_mask, scale=ca.scaling)
+            x = residual + ca.out_proj(_merge(a))
+            if not nb:
+                x = layer.encoder_attn_layer_norm(x)
+            # feed-forward
+            residual = x
+            h = layer.final_layer_norm(x) if nb else x
+            x = residual + layer.fc2(layer.activation_fn(layer.fc1(h)))
+            if not nb:
+                x = layer.final_layer_norm(x)
+            inner_states.append(x)
+        if attn is not None:
+            attn = attn.float().to(x)
+        return decoder_output(self, x, attn, inner_states, alignment_heads)
+
+    @staticmethod
+    def _lean_cache(state, i: int, k: Tensor, v: Tensor, n: int):
+        """Appends the new keys / values [B, H, T, d] of layer i at positions n..n+T-1 of its preallocated
+        buffers; returns the views of positions 0..n+T-1."""
+        B, H, T, d = k.shape
+        out = []
+        for name, new in (("k", k), ("v", v)):
+            buf = state.get(f"{name}buf{i}")
+            if buf is None or n + T > buf.size(2):
+                grown = new.new_empty(B, H, max(CACHE_BLOCK, 2 * (n + T)), d)
+                if n:
+                    grown[:, :, :n] = state[f"{name}{i}"]
+                buf = state[f"{name}buf{i}"] = grown
+            buf[:, :, n: n + T] = new
+            view = state[f"{name}{i}"] = buf[:, :, : n + T]
+            out.append(view)
+        return out
+
+    def reorder_incremental_state(self, incremental_state, new_order):
+        state = incremental_state.get(STATE_KEY) if incremental_state is not None else None
+        if state is None:
+            return super().reorder_incremental_state(incremental_state, new_order)
+        n = state["k0"].size(2) if state.get("k0") is not None else 0
+        if state.get("cross_mask") is not None:
+            state["cross_mask"] = state["cross_mask"].index_select(0, new_order)
+        for i in range(self.num_layers):
+            for name in ("ck", "cv"):  # the source keys and values follow the hypotheses
+                if state.get(f"{name}{i}") is not None:
+                    state[f"{name}{i}"] = state[f"{name}{i}"].index_select(0, new_order)
+            for name in ("k", "v"):  # the preallocated buffers too; k{i} / v{i} stay views of them
+                buf = state.get(f"{name}buf{i}")
+                if buf is not None:
+                    buf = state[f"{name}buf{i}"] = buf.index_select(0, new_order)
+                    state[f"{name}{i}"] = buf[:, :, :n]
+        return incremental_state
+
+
+_LEAN_CLASSES: Dict[type, type] = {}
+
+
+def lean_decoder(model):
+    """``model.decoder`` decodes incremental steps through :class:`LeanIncrementalDecoding` (its class becomes a
+    subclass of its own class with the mixin; parameters and state_dict unchanged); returns the model in eval
+    mode. Raises a one-line error for a decoder the lean step does not compute exactly."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        raise FairseqExtError("lean_decoder: the model has no .decoder (give a fairseq encoder-decoder model)")
+    if isinstance(decoder, LeanIncrementalDecoding):
+        return model.eval()
+    _check(decoder)
+    cls = type(decoder)
+    if cls not in _LEAN_CLASSES:
+        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanIncrementalDecoding, cls), {})
+    decoder.__class__ = _LEAN_CLASSES[cls]
+    return model.eval()
+
