@@ -209,3 +209,46 @@ def test_bert_jam(recipe, split, tmp_path):
     assert (g["--beam"], g["--lenpen"]) == (("4", "0.6") if split else ("5", "1.0"))
     if split:
         assert "40k joint BPE merges" in open(os.path.join(ROOT, "recipes", recipe)).read()  # D2
+
+
+def test_bert_jam_ding(tmp_path):
+    """recipes/bert_jam/ding_de_en.sh replays the measured Ding chain (docs/quickstart.md): every stage starts
+    from the one before, the caches serve only the frozen-BERT phases, valid picks, and the test split is
+    translated once, last."""
+    work = str(tmp_path / "work")
+    out = dry_run("bert_jam/ding_de_en.sh", env={"WORK": work}, tmp_path=tmp_path)
+    cmds = commands(out)
+    # e5 is pruned to the German training texts only: never valid or test text
+    prune = [x for x in out.splitlines() if x.startswith("zcat ")]
+    assert len(prune) == 1
+    assert [f[len(ROOT) + 1:] for f in shlex.split(prune[0].split(" > ")[0])[1:]] == [
+        f"data/{c}/train.de.gz" for c in ("ding-de-en", "ding-lexicon-de-en", "libreoffice-help-de-en", "bible-de-en")]
+    in_order(cmds, [r"prepare_bundled_corpus\.py --corpus ding --vocab-size 8000", r"^fairseq-preprocess .*--joined-dictionary",
+                    r"e5_convert .*--prune-to-corpus .*prune_de\.txt", r"fairseq_ext\.bert_jam\.prepare"])
+    train = [flags(c) for c in cmds if c.startswith("fairseq-train")]
+    stages = ["p1a", "p1b", "p2a", "p2b", "p3a", "p3b", "p3c", "p3d", "p3e"]
+    assert [os.path.basename(t["--save-dir"]) for t in train] == stages
+    assert [t["--bert-jam-phase"] for t in train] == ["1", "1", "2", "2", "3", "3", "3", "3", "3"]
+    assert [t["--max-update"] for t in train] == ["3499", "2292", "1856", "2192", "621", "828", "500", "1600", "1600"]
+    assert [t["--lr"] for t in train] == ["0.003"] * 2 + ["0.001"] * 2 + ["0.0003"] * 5
+    inits = [t.get("--finetune-from-model") for t in train]
+    assert inits == [None] + [f"{work}/{s}/checkpoint_last.pt" for s in stages[:3]] + [
+        f"{work}/p2b_best.pt"] + [f"{work}/{s}/checkpoint_last.pt" for s in stages[4:6]] + [f"{work}/avg4.pt", f"{work}/p3d_best.pt"]
+    assert [t.get("--bert-feature-cache") for t in train] == [f"{work}/cache_phase1"] * 2 + [
+        f"{work}/cache_phase2"] * 2 + [None] * 5
+    assert all(t["--encoder-embed-dim"] == "128" and t["--dropout"] == "0.3" and t["--max-tokens"] == "1024"
+               and "--share-all-embeddings" in t for t in train)
+    for d in train[-2:]:
+        assert (d["--lr-scheduler"], d["--total-num-update"], d["--end-learning-rate"]) == ("polynomial_decay", "1600",
+                                                                                            "0.0")
+    # p2b's pick and the final pick score on valid; the test split is generated once, after the last training
+    gens = [c for c in cmds if c.startswith("fairseq-generate")]
+    subsets = [flags(c)["--gen-subset"] for c in gens]
+    assert subsets[-1] == "test" and subsets.count("test") == 1 and flags(gens[-1])["--path"] == f"{work}/final.pt"
+    assert cmds.index(gens[-1]) > max(i for i, c in enumerate(cmds) if c.startswith("fairseq-train"))
+    avg = [c for c in cmds if "average_checkpoints" in c]
+    assert f"--output {work}/avg4.pt" in avg[0] and len(avg) == 15
+    # p3d's pick (p3d_best.pt) is made before p3e trains from it, on valid
+    cp = [c for c in cmds if c.startswith("cp ")]
+    assert [c.split()[-1] for c in cp] == [f"{work}/p2b_best.pt", f"{work}/p3d_best.pt", f"{work}/final.pt"]
+    assert cmds.index(cp[1]) < next(i for i, c in enumerate(cmds) if "--save-dir " + f"{work}/p3e" in c)
