@@ -119,6 +119,23 @@ def test_fast_attention_incremental_equals_full_pass(K, monkeypatch):
     assert buf["prev_key"].data_ptr() == buf["cache_key"].data_ptr()  # the cache is a view, not a copy
 
 
+def _reorder_matches_full_pass(plain, m, K, src, lengths, prev, perms):
+    """Two groups decoded incrementally, the caches reordered by each permutation, the third group: equal to the
+    plain model's full pass over the permuted rows (outputs and alignment attention, 1e-5)."""
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    with torch.no_grad():
+        for perm in perms:
+            enc = m.encoder(src, lengths)
+            full, full_extra = plain.decoder(sat_in[perm], m.encoder.reorder_encoder_out(enc, perm))
+            state = {}
+            m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
+            m.decoder.reorder_incremental_state_scripting(state, perm)
+            second, extra = m.decoder(sat_in[perm, : 3 * K], m.encoder.reorder_encoder_out(enc, perm),
+                                      incremental_state=state)
+            assert_close(second, full[:, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
+            assert_close(extra["attn"][0], full_extra["attn"][0][:, 2 * K: 3 * K], 1e-5, "attention after reorder")
+
+
 @pytest.mark.parametrize("K", [1, 2])
 def test_fast_attention_reorder_with_a_permutation(K):
     plain, m = sat_model(K, seed=3), _fast(K, seed=3)
@@ -126,22 +143,17 @@ def test_fast_attention_reorder_with_a_permutation(K):
     # rows 2s, 2s+1 are two hypotheses of sentence s (same source), as in beam search: fairseq leaves the
     # encoder-attention cache alone for a same-size reorder, which only ever permutes hypotheses of a sentence
     src, lengths = src[:2].repeat_interleave(2, dim=0), lengths[:2].repeat_interleave(2)
-    sat_in = sat_decoder_input(prev, K, DICT.eos())
-    with torch.no_grad():
-        for perm in (torch.tensor([1, 1, 3, 2]), torch.tensor([3, 2]), torch.tensor([0, 1, 2, 3])):
-            enc = m.encoder(src, lengths)
-            full, _ = plain.decoder(sat_in[perm], m.encoder.reorder_encoder_out(enc, perm))
-            state = {}
-            m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
-            m.decoder.reorder_incremental_state_scripting(state, perm)
-            second, _ = m.decoder(sat_in[perm, : 3 * K], m.encoder.reorder_encoder_out(enc, perm),
-                                  incremental_state=state)
-            assert_close(second, full[:, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
+    _reorder_matches_full_pass(plain, m, K, src, lengths, prev,
+                               (torch.tensor([1, 1, 3, 2]), torch.tensor([3, 2]), torch.tensor([0, 1, 2, 3])))
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_fast_attention_and_prepack_keep_the_hypotheses(K):
-    plain, m = sat_model(K, seed=4), _fast(K, seed=4, prepack=True)
+    _same_hypotheses(sat_model(K, seed=4), _fast(K, seed=4, prepack=True), K)
+
+
+def _same_hypotheses(plain, m, K):
+    """Greedy and beam 4 (SAT generator) give the same hypotheses, scores and attention with both models."""
     src, lengths, _ = _batch(bsz=5, seed=7)
     sample = sat_sample(src, lengths)
     for beam in (1, 4):
@@ -152,7 +164,8 @@ def test_fast_attention_and_prepack_keep_the_hypotheses(K):
             assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], (K, beam)
             for x, y in zip(ha, hb):
                 assert abs(float(x["score"]) - float(y["score"])) < 1e-5
-                assert_close(x["attention"], y["attention"], 1e-5, "alignment attention (fairseq's path)")
+                assert_close(x["positional_scores"], y["positional_scores"], 1e-5, "positional scores")
+                assert_close(x["attention"], y["attention"], 1e-5, "alignment attention")
 
 
 def test_fast_attention_on_a_fairseq_transformer_with_its_own_generator():
@@ -230,20 +243,9 @@ def test_lean_decoder_incremental_equals_full_pass(K, kw, monkeypatch):
 @pytest.mark.parametrize("K", [1, 2])
 def test_lean_decoder_reorder_with_a_permutation(K):
     plain, m = _lean_pair(K, 22)
-    src, lengths, prev = _batch()
-    sat_in = sat_decoder_input(prev, K, DICT.eos())
-    with torch.no_grad():
-        # across sentences, with repeats and with rows dropped: the source keys and values follow the rows
-        for perm in (torch.tensor([3, 1, 1, 0]), torch.tensor([3, 2]), torch.tensor([2, 0, 3, 1])):
-            enc = m.encoder(src, lengths)
-            full, full_extra = plain.decoder(sat_in[perm], m.encoder.reorder_encoder_out(enc, perm))
-            state = {}
-            m.decoder(sat_in[:, : 2 * K], enc, incremental_state=state)
-            m.decoder.reorder_incremental_state_scripting(state, perm)
-            second, extra = m.decoder(sat_in[perm, : 3 * K], m.encoder.reorder_encoder_out(enc, perm),
-                                      incremental_state=state)
-            assert_close(second, full[:, 2 * K: 3 * K], 1e-5, f"after reorder {perm.tolist()}")
-            assert_close(extra["attn"][0], full_extra["attn"][0][:, 2 * K: 3 * K], 1e-5, "attention after reorder")
+    # across sentences, with repeats and with rows dropped: the source keys and values follow the rows
+    _reorder_matches_full_pass(plain, m, K, *_batch(),
+                               (torch.tensor([3, 1, 1, 0]), torch.tensor([3, 2]), torch.tensor([2, 0, 3, 1])))
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -252,19 +254,7 @@ def test_lean_decoder_keeps_the_hypotheses(K):
     with torch.no_grad():
         for mm in (plain, m):
             mm.decoder.output_projection.weight[DICT.eos()] *= 2.0  # hypotheses end at different lengths
-    apply_speedups(m, "prepack")
-    src, lengths, _ = _batch(bsz=5, seed=7)
-    sample = sat_sample(src, lengths)
-    for beam in (1, 4):
-        opts = dict(beam_size=beam, max_len_a=1.0, max_len_b=5)
-        a = SATSequenceGenerator([plain], DICT, **opts).generate([plain], sample)
-        b = SATSequenceGenerator([m], DICT, **opts).generate([m], sample)
-        for ha, hb in zip(a, b):
-            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], (K, beam)
-            for x, y in zip(ha, hb):
-                assert abs(float(x["score"]) - float(y["score"])) < 1e-5
-                assert_close(x["positional_scores"], y["positional_scores"], 1e-5, "positional scores")
-                assert_close(x["attention"], y["attention"], 1e-5, "alignment attention")
+    _same_hypotheses(plain, apply_speedups(m, "prepack"), K)
 
 
 def test_lean_decoder_on_a_fairseq_transformer_with_fairseq_and_sat_generators():
