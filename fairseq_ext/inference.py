@@ -20,8 +20,10 @@ Two float32 speed-ups keep the model's numbers up to the order of the sums (~1e-
 at near-ties): :func:`prepack_output` runs the softmax projection through MKL's packed GEMM (the weight
 reordered once, so a call with a few rows costs about what a one-row call does), and :func:`fast_attention`
 gives the decoder's attention a lean incremental path (fused Q/K/V projection, a preallocated key/value cache,
-``F.scaled_dot_product_attention``). :func:`apply_speedups` applies any of them by name; ``fairseq-generate
---task translation_sat --inference-speedups fast-attention,prepack`` does it from the command line.
+``F.scaled_dot_product_attention``); :func:`fairseq_ext.lean_decoder.lean_decoder` replaces the whole incremental
+decoder step by a lean one (the same products without fairseq's per-call bookkeeping). :func:`apply_speedups`
+applies any of them by name; ``fairseq-generate --task translation_sat --inference-speedups
+fast-attention,prepack`` (or ``lean-decoder,prepack``) does it from the command line.
 
 For inference: the model changes in place and its outputs change a little (int8 rounding of the weights),
 so hypotheses can differ from the float model's; the benchmark reports BLEU (trained models) or agreement
@@ -37,6 +39,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.lean_decoder import lean_decoder
 
 LAYERS = ("output", "decoder")
 
@@ -309,7 +312,7 @@ SPEEDUPS = {  # name -> function(model); applied in this order
     "int8-encoder": quantize_encoder,
     "fast-attention": fast_attention,
     "prepack": prepack_output,
-    "lean-decoder": lambda m: __import__("fairseq_ext.lean_decoder", fromlist=["lean_decoder"]).lean_decoder(m),
+    "lean-decoder": lean_decoder,
 }
 
 
