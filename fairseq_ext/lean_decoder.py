@@ -124,7 +124,7 @@ class LeanIncrementalDecoding:
         state = incremental_state.get(STATE_KEY)
         if state is None and self._fairseq_cached_length(incremental_state) > 0:
             return False  # a state that fairseq's path began (e.g. before lean_decoder was applied)
-        n = 0 if state is None else state["k0"].size(2)
+        n = 0 if state is None or state.get("k0") is None else state["k0"].size(2)
         new = prev_output_tokens.size(1) - n
         K = int(getattr(self, "group_size", 1))
         return new > 0 and new % K == 0
