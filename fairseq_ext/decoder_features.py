@@ -2,10 +2,13 @@
 that override that method (``msc_transformer``, ``bert_jam``, ``sat_transformer``) and so cannot call fairseq's:
 the decoder input (token embeddings, scaled, quant-noised and projected as fairseq does, plus positions, layer
 norm and dropout) and the decoder output (head-averaged alignment attention, final layer norm, output
-projection)."""
+projection); and for decoders that add several positions per incremental step (``sat_transformer``, the lean
+step of ``fairseq_ext.lean_decoder``), the length of fairseq's self-attention cache and the positional embeddings
+of the new positions."""
 
 from typing import Dict, List, Optional, Tuple
 
+from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from torch import Tensor
 
 
@@ -52,3 +55,29 @@ def decoder_output(decoder, x: Tensor, attn: Optional[Tensor], inner_states: Lis
     if decoder.project_out_dim is not None:
         x = decoder.project_out_dim(x)
     return x, {"attn": [attn], "inner_states": inner_states}
+
+
+def cached_length(decoder, incremental_state) -> int:
+    """Number of positions in the first layer's self-attention cache of fairseq (0 before the first step)."""
+    buf = decoder.layers[0].self_attn._get_input_buffer(incremental_state)
+    prev_key = buf.get("prev_key") if buf is not None else None
+    return 0 if prev_key is None else prev_key.size(2)
+
+
+def new_positions(decoder, prev_output_tokens: Tensor, n_cached: int) -> Tensor:
+    """Positional embeddings [B, slen - n_cached, C] of the new positions n_cached..slen-1 of an incremental
+    step. The prefix of incremental decoding has no padding, so position t is ``padding_idx + 1 + t`` (what
+    fairseq's ``make_positions`` gives): the rows are sliced from the table, without embedding the prefix."""
+    bsz, slen = prev_output_tokens.size()
+    ep = decoder.embed_positions
+    first = ep.padding_idx + 1 + n_cached
+    if isinstance(ep, SinusoidalPositionalEmbedding):
+        table = ep.weights
+    elif isinstance(ep, LearnedPositionalEmbedding):
+        table = ep.weight
+    else:
+        table = None
+    if table is None or ep.padding_idx + 1 + slen > table.size(0):
+        # another positional module, or past the table (fairseq grows a sinusoidal one, a learned one raises)
+        return ep(prev_output_tokens)[:, n_cached:]
+    return table[first: ep.padding_idx + 1 + slen].unsqueeze(0).expand(bsz, -1, -1)

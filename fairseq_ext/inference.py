@@ -39,7 +39,7 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import lean_decoder
+from fairseq_ext.lean_decoder import append_to_cache, lean_decoder, merge_heads, qkv, split_heads
 
 LAYERS = ("output", "decoder")
 
@@ -212,44 +212,19 @@ class FastIncrementalAttention(MultiheadAttention):
                                need_head_weights=need_head_weights)
 
     def _heads(self, x):  # [T, B, C] -> [B, H, T, d]
-        T, B, _ = x.shape
-        return x.view(T, B, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        return split_heads(x, self.num_heads)
 
     def _merge(self, attn):  # [B, H, T, d] -> [T, B, C] through out_proj
-        B, H, T, d = attn.shape
-        return self.out_proj(attn.permute(2, 0, 1, 3).reshape(T, B, H * d))
-
-    def _qkv(self, query):
-        ws = (self.q_proj, self.k_proj, self.v_proj)
-        if not all(type(m) is torch.nn.Linear for m in ws):  # e.g. int8 projections: one call each
-            return self.q_proj(query), self.k_proj(query), self.v_proj(query)
-        version = tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
-        if getattr(self, "_qkv_version", None) != version:
-            with torch.no_grad():
-                self._qkv_weight = torch.cat([m.weight for m in ws]).detach()
-                biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in ws]
-                self._qkv_bias = torch.cat(biases).detach()
-            self._qkv_version = version
-        return torch.nn.functional.linear(query, self._qkv_weight, self._qkv_bias).chunk(3, dim=-1)
+        return self.out_proj(merge_heads(attn))
 
     def _self_step(self, query, incremental_state, attn_mask):
-        T, B, _ = query.shape
-        q, k, v = (self._heads(t) for t in self._qkv(query))
+        q, k, v = (self._heads(t) for t in qkv(self, query))
         state = self._get_input_buffer(incremental_state)
         prev = state.get("prev_key")
         n = 0 if prev is None else prev.size(2)
-        for name, new in (("key", k), ("value", v)):
-            buf, old = state.get(f"cache_{name}"), state.get(f"prev_{name}")
-            if (buf is None or old is None or buf.size(0) != B or old.data_ptr() != buf.data_ptr()
-                    or n + T > buf.size(2)):  # (re)allocate: first step, grown, or the state came from fairseq
-                cap = max(self.CACHE_BLOCK, 2 * (n + T))
-                grown = new.new_empty(B, self.num_heads, cap, self.head_dim)
-                if n:
-                    grown[:, :, :n] = old
-                buf = grown
-            buf[:, :, n: n + T] = new
-            state[f"cache_{name}"] = buf
-            state[f"prev_{name}"] = buf[:, :, : n + T]
+        for name, new in (("key", k), ("value", v)):  # a cache that fairseq's path wrote is copied in once
+            state[f"cache_{name}"], state[f"prev_{name}"] = append_to_cache(
+                state.get(f"cache_{name}"), state.get(f"prev_{name}"), new, n, self.CACHE_BLOCK)
         state["prev_key_padding_mask"] = None
         self._set_input_buffer(incremental_state, state)
         mask = attn_mask.to(q.dtype) if attn_mask is not None else None

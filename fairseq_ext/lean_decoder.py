@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 from fairseq_ext.errors import FairseqExtError
 
 STATE_KEY = "fairseq_ext.lean_decoder"
@@ -84,30 +85,54 @@ def _check(decoder):
         raise FairseqExtError("lean_decoder: the decoder has an adaptive softmax; decode it without lean-decoder")
 
 
-def _fused_qkv(att):
-    """The three projections of ``att`` as one weight [3C, C] and bias (re-made when a weight changes), or None
-    when one is not a float ``nn.Linear`` (e.g. int8): then they are called one by one."""
+def fused_qkv(att):
+    """The three projections of ``att`` (a fairseq ``MultiheadAttention``) as one weight [3C, C] and bias, re-made
+    when a weight changes; None when one is not a float ``nn.Linear`` (e.g. int8): then they are called one by one.
+    Shared with :class:`fairseq_ext.inference.FastIncrementalAttention`."""
     ws = (att.q_proj, att.k_proj, att.v_proj)
     if not all(type(m) is torch.nn.Linear for m in ws):
         return None
     version = tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
-    if getattr(att, "_lean_qkv_version", None) != version:
+    if getattr(att, "_fused_qkv_version", None) != version:
         with torch.no_grad():
-            att._lean_qkv = (torch.cat([m.weight for m in ws]).detach(),
-                             torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                        for m in ws]).detach())
-        att._lean_qkv_version = version
-    return att._lean_qkv
+            att._fused_qkv = (torch.cat([m.weight for m in ws]).detach(),
+                              torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                                         for m in ws]).detach())
+        att._fused_qkv_version = version
+    return att._fused_qkv
 
 
-def _heads(x: Tensor, H: int) -> Tensor:  # [T, B, C] -> [B, H, T, d]
+def qkv(att, x: Tensor):
+    """Queries, keys and values of x [T, B, C] through ``att``'s projections (fused when :func:`fused_qkv` can)."""
+    fused = fused_qkv(att)
+    if fused is None:
+        return att.q_proj(x), att.k_proj(x), att.v_proj(x)
+    return F.linear(x, fused[0], fused[1]).chunk(3, dim=-1)
+
+
+def split_heads(x: Tensor, H: int) -> Tensor:  # [T, B, C] -> [B, H, T, d]
     T, B, C = x.shape
     return x.view(T, B, H, C // H).permute(1, 2, 0, 3)
 
 
-def _merge(a: Tensor) -> Tensor:  # [B, H, T, d] -> [T, B, H * d]
+def merge_heads(a: Tensor) -> Tensor:  # [B, H, T, d] -> [T, B, H * d]
     B, H, T, d = a.shape
     return a.permute(2, 0, 1, 3).reshape(T, B, H * d)
+
+
+def append_to_cache(buf: Optional[Tensor], old: Optional[Tensor], new: Tensor, n: int, block: int):
+    """Writes the new keys or values [B, H, T, d] at positions n..n+T-1 of a buffer preallocated ``block``
+    positions at a time (re-made, with the n cached positions ``old`` copied in, when there is none, it is too
+    small, or ``old`` is not a view of it, e.g. a cache that fairseq's path wrote); returns (buffer, view of
+    positions 0..n+T-1). Shared with :class:`fairseq_ext.inference.FastIncrementalAttention`."""
+    B, H, T, d = new.shape
+    if buf is None or old is None or buf.size(0) != B or old.data_ptr() != buf.data_ptr() or n + T > buf.size(2):
+        grown = new.new_empty(B, H, max(block, 2 * (n + T)), d)
+        if n:
+            grown[:, :, :n] = old
+        buf = grown
+    buf[:, :, n: n + T] = new
+    return buf, buf[:, :, : n + T]
 
 
 class LeanIncrementalDecoding:
@@ -122,17 +147,12 @@ class LeanIncrementalDecoding:
         if alignment_layer is not None and alignment_layer != self.num_layers - 1:
             return False
         state = incremental_state.get(STATE_KEY)
-        if state is None and self._fairseq_cached_length(incremental_state) > 0:
+        if state is None and cached_length(self, incremental_state) > 0:
             return False  # a state that fairseq's path began (e.g. before lean_decoder was applied)
         n = 0 if state is None or state.get("k0") is None else state["k0"].size(2)
         new = prev_output_tokens.size(1) - n
         K = int(getattr(self, "group_size", 1))
         return new > 0 and new % K == 0
-
-    def _fairseq_cached_length(self, incremental_state) -> int:
-        buf = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        prev_key = buf.get("prev_key") if buf is not None else None
-        return 0 if prev_key is None else prev_key.size(2)
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
                                     full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
@@ -143,29 +163,14 @@ class LeanIncrementalDecoding:
                 alignment_layer=alignment_layer, alignment_heads=alignment_heads)
         return self._lean_step(prev_output_tokens, encoder_out, incremental_state, alignment_heads)
 
-    def _lean_positions(self, prev_output_tokens: Tensor, n: int) -> Optional[Tensor]:
-        """Positional embeddings of positions n..slen-1 (the prefix of incremental decoding has no padding:
-        position t is ``padding_idx + 1 + t``, what fairseq's ``make_positions`` gives)."""
-        ep = self.embed_positions
-        if ep is None:
-            return None
-        bsz, slen = prev_output_tokens.size()
-        table = getattr(ep, "weights", None)
-        if table is None and isinstance(getattr(ep, "weight", None), Tensor):
-            table = ep.weight
-        if table is None or ep.padding_idx + 1 + slen > table.size(0):
-            return ep(prev_output_tokens)[:, n:]
-        return table[ep.padding_idx + 1 + n: ep.padding_idx + 1 + slen].unsqueeze(0).expand(bsz, -1, -1)
-
     def _lean_step(self, prev_output_tokens, encoder_out, incremental_state, alignment_heads):
-        from fairseq_ext.decoder_features import decoder_output, embed_decoder_input
-
         state: Dict[str, Optional[Tensor]] = incremental_state.setdefault(STATE_KEY, {})
         bsz, slen = prev_output_tokens.size()
         n = 0 if state.get("k0") is None else state["k0"].size(2)
         T = slen - n
         K = int(getattr(self, "group_size", 1))
-        x = embed_decoder_input(self, prev_output_tokens[:, n:], self._lean_positions(prev_output_tokens, n))
+        positions = None if self.embed_positions is None else new_positions(self, prev_output_tokens, n)
+        x = embed_decoder_input(self, prev_output_tokens[:, n:], positions)
         mask: Optional[Tensor] = None
         if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
             from fairseq_ext.sat.model import relaxed_causal_mask
@@ -191,15 +196,10 @@ class LeanIncrementalDecoding:
             # self-attention over the cache and the new positions
             residual = x
             h = layer.self_attn_layer_norm(x) if nb else x
-            fused = _fused_qkv(sa)
-            if fused is not None:
-                q, k, v = F.linear(h, fused[0], fused[1]).chunk(3, dim=-1)
-            else:
-                q, k, v = sa.q_proj(h), sa.k_proj(h), sa.v_proj(h)
-            q, k, v = _heads(q, H), _heads(k, H), _heads(v, H)
+            q, k, v = (split_heads(t, H) for t in qkv(sa, h))
             keys, values = self._lean_cache(state, i, k, v, n)
             a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=sa.scaling)
-            x = residual + sa.out_proj(_merge(a))
+            x = residual + sa.out_proj(merge_heads(a))
             if not nb:
                 x = layer.self_attn_layer_norm(x)
             # encoder-decoder attention: the source keys and values projected on the first step
@@ -207,9 +207,9 @@ class LeanIncrementalDecoding:
             h = layer.encoder_attn_layer_norm(x) if nb else x
             ck, cv = state.get(f"ck{i}"), state.get(f"cv{i}")
             if ck is None:
-                ck, cv = _heads(ca.k_proj(enc), ca.num_heads), _heads(ca.v_proj(enc), ca.num_heads)
+                ck, cv = split_heads(ca.k_proj(enc), ca.num_heads), split_heads(ca.v_proj(enc), ca.num_heads)
                 state[f"ck{i}"], state[f"cv{i}"] = ck, cv
-            q = _heads(ca.q_proj(h), ca.num_heads)
+            q = split_heads(ca.q_proj(h), ca.num_heads)
             if i == last:  # the alignment layer: the weights too (fairseq's bmm / softmax in float / bmm)
                 scores = torch.matmul(q * ca.scaling, ck.transpose(-1, -2))
                 if cross_mask is not None:
@@ -219,7 +219,7 @@ class LeanIncrementalDecoding:
                 attn = weights.transpose(0, 1)  # [H, B, T, S], as fairseq's need_head_weights returns them
             else:
                 a = F.scaled_dot_product_attention(q, ck, cv, attn_mask=cross_mask, scale=ca.scaling)
-            x = residual + ca.out_proj(_merge(a))
+            x = residual + ca.out_proj(merge_heads(a))
             if not nb:
                 x = layer.encoder_attn_layer_norm(x)
             # feed-forward
@@ -237,17 +237,10 @@ class LeanIncrementalDecoding:
     def _lean_cache(state, i: int, k: Tensor, v: Tensor, n: int):
         """Appends the new keys / values [B, H, T, d] of layer i at positions n..n+T-1 of its preallocated
         buffers; returns the views of positions 0..n+T-1."""
-        B, H, T, d = k.shape
         out = []
         for name, new in (("k", k), ("v", v)):
-            buf = state.get(f"{name}buf{i}")
-            if buf is None or n + T > buf.size(2):
-                grown = new.new_empty(B, H, max(CACHE_BLOCK, 2 * (n + T)), d)
-                if n:
-                    grown[:, :, :n] = state[f"{name}{i}"]
-                buf = state[f"{name}buf{i}"] = grown
-            buf[:, :, n: n + T] = new
-            view = state[f"{name}{i}"] = buf[:, :, : n + T]
+            buf, view = append_to_cache(state.get(f"{name}buf{i}"), state.get(f"{name}{i}"), new, n, CACHE_BLOCK)
+            state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, view
             out.append(view)
         return out
 

@@ -30,7 +30,6 @@ from torch import Tensor
 from fairseq import checkpoint_utils
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.transformer import TransformerDecoderBase, TransformerModel
-from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 from fairseq.models.transformer.transformer_legacy import (
     base_architecture,
     transformer_iwslt_de_en,
@@ -38,7 +37,7 @@ from fairseq.models.transformer.transformer_legacy import (
 )
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.decoder_features import decoder_output, embed_decoder_input
+from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 
 logger = logging.getLogger(__name__)
 
@@ -101,30 +100,6 @@ class SATDecoder(TransformerDecoderBase):
         # the SAT decoder input is up to K-1 positions longer than the target (K start symbols, last group)
         return super().max_positions() - (self.group_size - 1)
 
-    def _cached_length(self, incremental_state) -> int:
-        """Number of positions already in the self-attention cache (0 before the first step)."""
-        buf = self.layers[0].self_attn._get_input_buffer(incremental_state)
-        prev_key = buf.get("prev_key") if buf is not None else None
-        return 0 if prev_key is None else prev_key.size(2)
-
-    def _new_positions(self, prev_output_tokens, n_cached: int) -> Tensor:
-        """Positional embeddings [B, slen - n_cached, C] of the new positions n_cached..slen-1 of an incremental
-        step. The prefix of incremental decoding has no padding, so position t is ``padding_idx + 1 + t`` (what
-        fairseq's ``make_positions`` gives): the rows are sliced from the table, without embedding the prefix."""
-        bsz, slen = prev_output_tokens.size()
-        ep = self.embed_positions
-        first = ep.padding_idx + 1 + n_cached
-        if isinstance(ep, SinusoidalPositionalEmbedding):
-            table = ep.weights
-        elif isinstance(ep, LearnedPositionalEmbedding):
-            table = ep.weight
-        else:
-            table = None
-        if table is None or ep.padding_idx + 1 + slen > table.size(0):
-            # another positional module, or past the table (fairseq grows a sinusoidal one, a learned one raises)
-            return ep(prev_output_tokens)[:, n_cached:]
-        return table[first: ep.padding_idx + 1 + slen].unsqueeze(0).expand(bsz, -1, -1)
-
     def extract_features_scriptable(
         self,
         prev_output_tokens,
@@ -148,7 +123,7 @@ class SATDecoder(TransformerDecoderBase):
 
         n_cached = 0
         if incremental_state is not None:
-            n_cached = self._cached_length(incremental_state)
+            n_cached = cached_length(self, incremental_state)
             if slen % K != 0:  # a group's outputs depend on all K of its inputs (relaxed mask)
                 raise FairseqExtError(
                     f"sat_transformer with --sat-group-size {K} was asked to decode a prefix of {slen} "
@@ -166,7 +141,7 @@ class SATDecoder(TransformerDecoderBase):
             if incremental_state is None:
                 positions = self.embed_positions(prev_output_tokens)
             else:
-                positions = self._new_positions(prev_output_tokens, n_cached)
+                positions = new_positions(self, prev_output_tokens, n_cached)
         tokens = prev_output_tokens[:, n_cached:].contiguous()
 
         x = embed_decoder_input(self, tokens, positions)  # T x B x C

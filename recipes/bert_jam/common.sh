@@ -23,13 +23,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 USER_DIR="$ROOT/fairseq_ext"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
-run() {
-  if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi
-}
-# run_sh "command line" (pipes, redirections): print it with --dry-run, else run it with bash
-run_sh() {
-  if [ "$DRY_RUN" = 1 ]; then printf '%s\n' "$1"; else bash -c "set -euo pipefail; $1"; fi
-}
+source "$ROOT/recipes/bert_jam/run.sh"
 
 if [ "$DRY_RUN" = 0 ]; then
   [ -f "$BIN/dict.$SRC.txt" ] || { echo "$(basename "$0"): BIN=$BIN has no dict.$SRC.txt; binarise the data first (see the header)" >&2; exit 1; }

@@ -48,8 +48,7 @@ E5DIR="${E5DIR:-$WORK/e5-small-bert-pruned}"
 DATA="$WORK/data"; BIN="$WORK/bin"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
 
-run() { if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi; }
-run_sh() { if [ "$DRY_RUN" = 1 ]; then printf '%s\n' "$1"; else bash -c "set -euo pipefail; $1"; fi; }
+source "$ROOT/recipes/bert_jam/run.sh"
 # wanted STAGE: true when STAGE is at or after --from-stage
 wanted() {
   local s seen=0
