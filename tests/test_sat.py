@@ -457,6 +457,65 @@ def test_batch_equals_one_sentence_at_a_time(K, beam):
     assert calls <= math.ceil(longest / K) and calls >= 1
 
 
+def test_top_b_equals_topk():
+    """The chunked top-B of the beam: the values of ``topk`` (the indices too where no two values tie), rows
+    with a tail shorter than a chunk, NaN first, all -inf rows, and short rows (plain ``topk``)."""
+    from fairseq_ext.sat.generator import top_b
+    g = torch.Generator().manual_seed(0)
+    for V in (8000, 8003, 64 * 16, 100):
+        for B in (1, 4, 5):
+            x = torch.randn(3, 2, V, generator=g)
+            x[0, 1, :-3] = -math.inf  # the best words in the tail
+            x[2, 0, :] = -math.inf
+            vals, idx = top_b(x, B)
+            ref_vals, ref_idx = x.topk(B, dim=-1)
+            assert torch.equal(vals, ref_vals), (V, B)
+            finite = ref_vals.isfinite().all(-1)
+            assert torch.equal(idx[finite], ref_idx[finite]), (V, B)
+            assert torch.equal(x.gather(-1, idx), vals) and bool((idx < V).all())
+            x[1, 1, V // 2] = float("nan")
+            vals, idx = top_b(x, B)
+            assert vals[1, 1, 0].isnan() and int(idx[1, 1, 0]) == V // 2
+
+
+@pytest.mark.parametrize("where", ["words", "eos"])
+@pytest.mark.parametrize("K,beam", [(1, 1), (1, 3), (2, 1), (2, 3), (3, 2)])
+def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypatch):
+    """fairseq's rule, a NaN log-probability is -inf, which the searches apply only when a value they select is
+    NaN: the hypotheses equal (exactly) those of the same distributions with the NaNs already -inf. NaNs in
+    single words, the EOS column and a whole distribution, or in the EOS column only; the corrected path must
+    have run."""
+    from fairseq_ext.sat.generator import SATEnsembleModel
+    m = _tiny_sat(K, seed=7 + K)
+    src, src_lengths = _tiny_batch(3, seed=K)
+    decode_group = SATEnsembleModel.decode_group
+    corrections = []
+    fix = SATSequenceGenerator._nan_to_neg_inf
+    monkeypatch.setattr(SATSequenceGenerator, "_nan_to_neg_inf",
+                        staticmethod(lambda t: corrections.append(1) or fix(t)))
+
+    def run(fill):
+        def poisoned(self, *a, **k):
+            lprobs, attn = decode_group(self, *a, **k)
+            g = torch.Generator().manual_seed(self.decoder_calls)
+            mask = torch.rand(lprobs.shape, generator=g) < (0.15 if where == "words" else 0.0)
+            mask[:, :, TINY_DICT.eos()] |= torch.rand(lprobs.shape[:2], generator=g) < 0.3
+            mask[0, -1, TINY_DICT.eos()] = True
+            if where == "words":
+                mask[-1, -1] = True
+            return lprobs.masked_fill(mask, fill), attn
+        monkeypatch.setattr(SATEnsembleModel, "decode_group", poisoned)
+        gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1)
+        return gen.generate([m], _sample(src, src_lengths))
+
+    expected = run(-math.inf)
+    assert not corrections
+    got = run(float("nan"))
+    assert corrections  # a selected value was NaN, and the step was redone
+    _same_hypos(got, expected, f"K={K} beam={beam}", atol=0.0)
+    assert all(math.isfinite(float(h["score"])) for hs in got for h in hs)
+
+
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 def test_greedy_k_words_per_call(K):
     m = sat_model(K, seed=10 + K)

@@ -56,6 +56,34 @@ from fairseq.sequence_generator import (
 )
 
 from fairseq_ext.errors import FairseqExtError
+
+TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an 8,000-word row
+
+
+def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
+    """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through chunk maxima, 3x
+    faster for 16-24 rows of 8,000 words (one thread: 54 against 168 us for 16 rows). The row is cut into
+    chunks of ``chunk`` words; the B best words lie in the B chunks with the largest maxima (a word in another
+    chunk has B chunk maxima, B distinct words, at least as large), so one top-B over the chunk maxima and one
+    over the B chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-B over the row;
+    indices equal too but among equal values. NaN ranks first, as in ``topk`` (a chunk with a NaN has a NaN
+    maximum). Rows shorter than 16 chunks use ``topk``."""
+    V = lprobs.size(-1)
+    n = V // chunk
+    if n < max(16, B):
+        return lprobs.topk(B, dim=-1)
+    shape = lprobs.shape[:-1]
+    rows = lprobs.reshape(-1, V)
+    chunks = rows[:, : n * chunk].view(rows.size(0), n, chunk)
+    best_chunks = chunks.amax(dim=2).topk(B, dim=1).indices  # [R, B]
+    cand = chunks.gather(1, best_chunks.unsqueeze(2).expand(-1, -1, chunk)).reshape(rows.size(0), B * chunk)
+    cand_index = (best_chunks.unsqueeze(2) * chunk + torch.arange(chunk, device=rows.device)).view(-1, B * chunk)
+    if n * chunk < V:  # the tail words are candidates too
+        cand = torch.cat([cand, rows[:, n * chunk:]], 1)
+        tail = torch.arange(n * chunk, V, device=rows.device).expand(rows.size(0), -1)
+        cand_index = torch.cat([cand_index, tail], 1)
+    vals, i = cand.topk(B, dim=1)
+    return vals.view(*shape, B), cand_index.gather(1, i).view(*shape, B)
 from fairseq_ext.sat.model import group_size
 
 
@@ -124,9 +152,9 @@ class _GroupSearch(SequenceGenerator):
         return bsz, src_len, max_len, n_steps, tokens, encoder_outs
 
     def _constrain(self, lprobs: Tensor, step: int, max_len: int) -> Tensor:
-        """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1."""
+        """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1, but for
+        its NaN -> -inf, which the callers apply only when a value they select is NaN (:meth:`_nan_to_neg_inf`)."""
         lprobs = lprobs.float() if lprobs.dtype != torch.float else lprobs
-        lprobs.masked_fill_(lprobs.isnan(), -math.inf)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
@@ -140,6 +168,14 @@ class _GroupSearch(SequenceGenerator):
         if self.token_indices_to_suppress is not None:
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
+
+    @staticmethod
+    def _nan_to_neg_inf(lprobs: Tensor) -> Tensor:
+        """fairseq's rule that a NaN log-probability is -inf, in place. A search over [N, K, V] per step costs more
+        than the log-softmax (12 us a row of 8,000 here), so the searches apply it only when a value they selected
+        is NaN: ``max`` and ``topk`` (and :func:`top_b`) rank NaN above every number, so a row with a NaN anywhere selects one, and the
+        rest of the step is then redone on the corrected distributions: the same result as filling first."""
+        return lprobs.masked_fill_(lprobs.isnan(), -math.inf)
 
     def _hypothesis(self, tokens: Tensor, cum: Tensor, attn: Optional[Tensor]) -> Dict[str, Tensor]:
         """A finished hypothesis from its words (ending in EOS), cumulative scores per position (as fairseq
@@ -174,6 +210,8 @@ class _GroupSearch(SequenceGenerator):
                                                          self.temperature)
             lprobs = self._constrain(lprobs, step, max_len)
             best_lp, best = lprobs.max(dim=-1)  # [n, K]
+            if bool(best_lp.isnan().any()):
+                best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
             tokens[:, K + step: 2 * K + step] = best
             # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
             prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
@@ -354,7 +392,10 @@ class _GroupSearch(SequenceGenerator):
             last = min(K - 1, max_len - step)  # positions after --max-len are never reached
             eos_lp = lprobs[:, :, eos].clone()  # [N, K]
             lprobs[:, :, eos] = -math.inf
-            vals, words = lprobs.topk(B, dim=-1)  # per position, the B best non-EOS words: [N, K, B]
+            vals, words = top_b(lprobs, B)  # per position, the B best non-EOS words: [N, K, B]
+            if bool(vals.isnan().any()) or bool(eos_lp.isnan().any()):
+                self._nan_to_neg_inf(eos_lp)
+                vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
             fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
 
             # the host needs which hypotheses end (in rank order, per position): one read per group
