@@ -51,7 +51,10 @@ stream of sentences, as fairseq-interactive does, its weights warm in the caches
 random order for every block of sentences (so that load changes during the run fall on all of them alike).
 ``--block 1`` interleaves the contenders sentence by sentence (runs A-E in docs/sat_transformer.md): every
 sentence then starts with the weights of the previous contender in the caches, which costs SAT more than K=1
-(fewer decoder calls share the refill).
+(fewer decoder calls share the refill). ``--repeat R`` times every block R times (contenders reshuffled each
+time) and keeps, per contender and sentence, the fastest of the R: load from other work on a shared machine
+only ever adds time, so the minimum is the steadiest estimate (docs/sat_transformer.md, run H: single passes
+moved the beam-4 ratios by up to 15% between consecutive runs).
 """
 
 import argparse
@@ -104,6 +107,10 @@ def parse_args(argv=None):
     p.add_argument("--block", type=int, default=10,
                    help="batch-1 sentences each contender decodes in a row before the next one (default 10; 1: "
                         "interleaved sentence by sentence, caches cold for every sentence)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="batch-1 timing passes over the sentences (default 1); each contender's time for a sentence "
+                        "is its fastest of the passes (other load on the machine only ever adds time), the "
+                        "contenders in a new random order per block and pass")
     p.add_argument("--no-throughput", action="store_true", help="only the batch-1 latencies")
     p.add_argument("--kd-beam", type=int, default=4,
                    help="beam of the teacher's distillation decode of the training set (0: no distillation)")
@@ -155,6 +162,8 @@ def parse_args(argv=None):
         k, _, path = flag.partition("=")
         if not k.isdigit() or not path:
             p.error(f"--student/--deep-shallow-student takes K=PATH (got {flag!r})")
+    if a.repeat < 1:
+        p.error(f"--repeat must be at least 1 (got {a.repeat})")
     if a.sentences is None:
         a.sentences = 30 if a.random_init else 200
     return a
@@ -384,16 +393,19 @@ def main(argv=None):
         t_mode = time.perf_counter()
         for first in range(0, len(samples), args.block):
             block = samples[first: first + args.block]
-            order = list(range(len(cs)))
-            rng.shuffle(order)
             lens = [[0] * len(cs) for _ in block]
-            dts = [[0.0] * len(cs) for _ in block]
+            dts = [[math.inf] * len(cs) for _ in block]
             outs = [[None] * len(cs) for _ in block]
-            for j in order:
-                for i, sample in enumerate(block):
-                    dts[i][j], out, n_calls = cs[j].decode(sample, beam, gen_opts)
-                    calls[j] += n_calls
-                    outs[i][j] = out[0]
+            for rep in range(args.repeat):
+                order = list(range(len(cs)))
+                rng.shuffle(order)
+                for j in order:
+                    for i, sample in enumerate(block):
+                        dt, out, n_calls = cs[j].decode(sample, beam, gen_opts)
+                        dts[i][j] = min(dts[i][j], dt)
+                        if rep == 0:
+                            calls[j] += n_calls
+                            outs[i][j] = out[0]
             for i, sample in enumerate(block):
                 for j in range(len(cs)):
                     tot[j] += dts[i][j]
@@ -474,7 +486,9 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
            f"), random sources of {RANDOM_SIZES['tiny' if args.tiny else 'full']['src_mean']} tokens on average"
            if args.random_init else "bundled de-en test set")
     print(f"SAT decoding benchmark: {src}, batch 1 on {args.sentences} sentences (each contender {args.block} in a "
-          f"row, contenders in random order per block), torch threads {args.threads}, "
+          f"row, contenders in random order per block"
+          + (f"; each time the fastest of {args.repeat} passes" if args.repeat > 1 else "") + ")"
+          + f", torch threads {args.threads}, "
           f"load average {load_before[0]:.1f} before / {load_after[0]:.1f} after on {os.cpu_count()} cores "
           f"(shared machine: compare ratios); {started} - {finished}; code: HEAD {code['head']}, "
           f"generator.py {code['fairseq_ext/sat/generator.py']['sha1']}"
@@ -594,7 +608,7 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
                        "checks": checks, "results": results,
                        "analysis": {"encoder_ms": E, "k1_call_ms": c1}, "params": n_params,
                        "settings": {"random_init": args.random_init, "tiny": args.tiny, "sentences": args.sentences,
-                                    "fixed_length": args.fixed_length, "threads": args.threads, "block": args.block,
+                                    "fixed_length": args.fixed_length, "threads": args.threads, "block": args.block, "repeat": args.repeat,
                                     "quantize": args.quantize, "baseline_rev": args.baseline_rev},
                        "code": code, "started": started, "finished": finished,
                        "load": [load_before, load_after]}, f, indent=1)

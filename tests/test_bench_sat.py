@@ -28,7 +28,8 @@ def tiny_run(tmp_path_factory):
     the 6+1 family, the int8-output variant and the float32 opt-ins (prepack + fast attention)."""
     out = tmp_path_factory.mktemp("bench_sat") / "bench.json"
     cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "3",
-           "--block", "2", "--no-throughput", "--json", str(out), "--quantize", "output", "--float-opt", "both"]
+           "--block", "2", "--repeat", "2", "--no-throughput", "--json", str(out), "--quantize", "output",
+           "--float-opt", "both"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     # exit 1 = a speed target missed (meaningless at this size); anything else is a failure
@@ -48,9 +49,10 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
     for name, r in ms.items():
         for mode in ("greedy", "beam4"):
             assert math.isfinite(r[mode]) and r[mode] > 0, (name, mode, r)
-            # every sentence timed once per contender, in blocks of 2 and 1 (--sentences 3 --block 2)
+            # one time per sentence and contender (the fastest of --repeat 2), blocks of 2 and 1 (--sentences 3)
             assert len(res["results"][name][f"{mode}_b1_ms_per_sentence"]) == 3, (name, mode)
-    assert res["settings"]["block"] == 2
+    assert res["settings"]["block"] == 2 and res["settings"]["repeat"] == 2
+    assert "fastest of 2 passes" in stdout
     # the speed-ups are our K=1's time over each SAT's, in the same run, for K = 2, 4, 6
     sp = res["speedup_vs_k1"]
     assert set(sp) == {"greedy", "beam4"}
@@ -101,6 +103,9 @@ def test_random_init_needs_fixed_length():
                           timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "--random-init needs --fixed-length" in proc.stderr
+    proc = subprocess.run([sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", "5", "--repeat", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--repeat must be at least 1" in proc.stderr
 
 
 # -- fairseq_ext.inference.quantize_decoder -----------------------------------------------------------------------
