@@ -54,7 +54,7 @@ sentence then starts with the weights of the previous contender in the caches, w
 (fewer decoder calls share the refill). ``--repeat R`` times every block R times (contenders reshuffled each
 time) and keeps, per contender and sentence, the fastest of the R: load from other work on a shared machine
 only ever adds time, so the minimum is the steadiest estimate (docs/sat_transformer.md, run H: single passes
-moved the beam-4 ratios by up to 15% between consecutive runs).
+moved the beam-4 ratios by up to 13% between consecutive runs).
 """
 
 import argparse
