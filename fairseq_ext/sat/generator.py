@@ -152,9 +152,12 @@ class _GroupSearch(SequenceGenerator):
         return bsz, src_len, max_len, n_steps, tokens, encoder_outs
 
     def _constrain(self, lprobs: Tensor, step: int, max_len: int) -> Tensor:
-        """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1, but for
-        its NaN -> -inf, which the callers apply only when a value they select is NaN (:meth:`_nan_to_neg_inf`)."""
+        """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1. On a CPU
+        its NaN -> -inf is left to the callers, which apply it only when a value they select is NaN
+        (:meth:`_selected_nan`); on other devices it is one kernel here, cheaper than a host read per step."""
         lprobs = lprobs.float() if lprobs.dtype != torch.float else lprobs
+        if not lprobs.is_cpu:
+            self._nan_to_neg_inf(lprobs)
         lprobs[:, :, self.pad] = -math.inf
         if self.unk_penalty != 0:
             lprobs[:, :, self.unk] -= self.unk_penalty
@@ -177,6 +180,12 @@ class _GroupSearch(SequenceGenerator):
         selects one, and the rest of the step is then redone on the corrected distributions: the same result as
         filling first."""
         return lprobs.masked_fill_(lprobs.isnan(), -math.inf)
+
+    @staticmethod
+    def _selected_nan(*selected: Tensor) -> bool:
+        """Whether a selected value is NaN, so that :meth:`_nan_to_neg_inf` must run (CPU only: elsewhere
+        :meth:`_constrain` has applied it)."""
+        return selected[0].is_cpu and any(bool(t.isnan().any()) for t in selected)
 
     def _hypothesis(self, tokens: Tensor, cum: Tensor, attn: Optional[Tensor]) -> Dict[str, Tensor]:
         """A finished hypothesis from its words (ending in EOS), cumulative scores per position (as fairseq
@@ -211,7 +220,7 @@ class _GroupSearch(SequenceGenerator):
                                                          self.temperature)
             lprobs = self._constrain(lprobs, step, max_len)
             best_lp, best = lprobs.max(dim=-1)  # [n, K]
-            if bool(best_lp.isnan().any()):
+            if self._selected_nan(best_lp):
                 best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
             tokens[:, K + step: 2 * K + step] = best
             # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
@@ -394,7 +403,7 @@ class _GroupSearch(SequenceGenerator):
             eos_lp = lprobs[:, :, eos].clone()  # [N, K]
             lprobs[:, :, eos] = -math.inf
             vals, words = top_b(lprobs, B)  # per position, the B best non-EOS words: [N, K, B]
-            if bool(vals.isnan().any()) or bool(eos_lp.isnan().any()):
+            if self._selected_nan(vals, eos_lp):
                 self._nan_to_neg_inf(eos_lp)
                 vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
             fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
