@@ -108,6 +108,14 @@ def test_random_init_needs_fixed_length():
     assert proc.returncode == 2 and "--repeat must be at least 1" in proc.stderr
 
 
+def test_bench_beam_rows_runs_and_checks_top_b():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_beam_rows.py"), "--vocab", "2048",
+                           "--rows", "2", "8", "--iters", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split() for line in proc.stdout.splitlines()[2:]]
+    assert [r[0] for r in rows] == ["2", "8"] and all(len(r) == 6 for r in rows)
+
+
 # -- fairseq_ext.inference.quantize_decoder -----------------------------------------------------------------------
 @pytest.mark.parametrize("layers", ["output", "decoder"])
 def test_quantize_decoder_keeps_the_sat_decoding(layers):
