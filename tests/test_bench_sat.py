@@ -2,21 +2,24 @@
 fairseq_ext.inference. Speed itself is not asserted (timed tests are not speed claims): the run must build every
 contender, force every output to exactly N words + EOS, and write the JSON the issue asks for."""
 
+import copy
 import json
 import math
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import quantize_decoder, quantize_encoder
+import fairseq_ext.inference as inference_module
+from fairseq_ext.inference import Int8RowsLinear, quantize_decoder, quantize_encoder
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from tests.builders import SAT_DICT, sat_model, sat_sample
-from tests.helpers import ROOT
+from tests.helpers import ROOT, assert_close
 
 BENCH = os.path.join(ROOT, "benchmarks", "bench_sat.py")
 N = 5  # --fixed-length of the tiny runs
@@ -116,14 +119,68 @@ def test_bench_beam_rows_runs_and_checks_top_b():
     assert [r[0] for r in rows] == ["2", "8"] and all(len(r) == 6 for r in rows)
 
 
+def test_bench_kernels_runs_and_checks_both_kernels():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--vocab", "600",
+                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    part2 = lines.index(next(x for x in lines if x.startswith("2. ")))
+    if "skipped" not in lines[1]:  # a CPU with AMX: fbgemm / oneDNN per row count, the same numbers
+        rows = [x.split() for x in lines[2:part2]]
+        assert [r[0] for r in rows] == ["2", "16"] and all(float(r[4]) < 1e-5 for r in rows)
+        assert [r[5] for r in rows] == ["fbgemm", "onednn"]
+    rows = [x.split() for x in lines[part2 + 2:]]
+    assert [(r[0], r[1]) for r in rows] == [("4", "3"), ("8", "3")]
+
+
+def _int8_pair(seed=0, out=700, dim=64):
+    """PyTorch's dynamically quantised Linear and the same module as Int8RowsLinear."""
+    torch.manual_seed(seed)
+    seq = torch.nn.Sequential(torch.nn.Linear(dim, out))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.ao.quantization.quantize_dynamic(seq, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+    plain = copy.deepcopy(seq[0])
+    rows = seq[0]
+    rows.__class__ = Int8RowsLinear
+    return plain, rows
+
+
+def test_int8_rows_linear_keeps_fbgemm_for_few_rows():
+    plain, rows = _int8_pair()
+    for M in (1, 4, Int8RowsLinear.MIN_ROWS - 1):
+        assert rows.kernel(M) == "fbgemm"
+        x = torch.randn(M, 1, 64)
+        assert torch.equal(rows(x), plain(x))
+    assert rows.kernel(Int8RowsLinear.MIN_ROWS) == ("onednn" if inference_module._AMX_INT8 else "fbgemm")
+
+
+@pytest.mark.skipif(not inference_module._AMX_INT8, reason="no oneDNN int8 kernel with AMX on this CPU / build")
+def test_int8_rows_linear_onednn_equals_fbgemm_and_follows_new_weights():
+    plain, rows = _int8_pair(seed=1)
+    with torch.inference_mode():
+        for M in (Int8RowsLinear.MIN_ROWS, 40, 300):
+            x = torch.randn(M // 4, 4, 64) * 3
+            assert rows.kernel(M) == "onednn"
+            assert_close(rows(x), plain(x), 1e-5, f"oneDNN vs fbgemm, {M} rows")
+    # new weights (a checkpoint loaded into the quantised model): the oneDNN copy is made again
+    other, _ = _int8_pair(seed=2)
+    rows.load_state_dict(other.state_dict())
+    x = torch.randn(20, 64)
+    with torch.inference_mode():
+        assert_close(rows(x), other(x), 1e-5, "after load_state_dict")
+        assert (rows(x) - plain(x)).abs().max() > 0.1
+
+
 # -- fairseq_ext.inference.quantize_decoder -----------------------------------------------------------------------
 @pytest.mark.parametrize("layers", ["output", "decoder"])
 def test_quantize_decoder_keeps_the_sat_decoding(layers):
     K = 2
     float_model = sat_model(K, seed=3)
     q = quantize_decoder(sat_model(K, seed=3), layers=layers)
-    assert type(q.decoder.output_projection).__name__ == "Linear" and \
-        type(q.decoder.output_projection).__module__.startswith("torch.ao.nn.quantized.dynamic")
+    assert type(q.decoder.output_projection) is Int8RowsLinear  # PyTorch's dynamic int8 Linear, two kernels
+    assert isinstance(q.decoder.output_projection, torch.ao.nn.quantized.dynamic.Linear)
     fc1 = q.decoder.layers[0].fc1
     assert (type(fc1) is torch.nn.Linear) == (layers == "output")
     assert type(q.encoder.layers[0].fc1) is torch.nn.Linear  # the encoder stays in float

@@ -1,0 +1,117 @@
+"""The kernel choices of the opt-in decoding flags, measured (docs/sat_transformer.md, run I):
+
+1. int8 softmax projection (``int8-decoder`` / ``int8-output``): fbgemm (PyTorch's dynamic quantisation) against
+   oneDNN's int8 kernel (AMX tiles) by row count, and the kernel that ``Int8RowsLinear`` picks for each;
+2. ``lean-decoder``'s key/value cache reorder after a beam step: a fresh ``index_select`` of the whole buffer
+   (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer).
+
+    python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
+                                       [--batches 1 16 64] [--threads 1]
+
+Microseconds are the best of 5 timed repeats; ratios are measured in the same run. Part 1 also checks that both
+kernels give the same numbers (largest difference printed) and is skipped, with a line, where this PyTorch build
+or CPU has no oneDNN int8 kernel with AMX.
+"""
+
+import argparse
+import time
+import warnings
+
+import torch
+
+from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize
+from fairseq_ext.lean_decoder import reorder_cache
+
+
+def best_us(fn, budget_s: float = 0.05) -> float:
+    t0 = time.perf_counter()
+    fn()
+    n = max(3, min(2000, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return min(times)
+
+
+def int8_rows(a):
+    print(f"1. int8 softmax projection {a.vocab} x {a.dim}: fbgemm against oneDNN, {a.threads} thread(s)")
+    if not _amx_int8():
+        print("   skipped: no oneDNN int8 kernel with AMX here (Int8RowsLinear keeps fbgemm for every call)")
+        return
+    g = torch.Generator().manual_seed(0)
+    seq = torch.nn.Sequential(torch.nn.Linear(a.dim, a.vocab))
+    with torch.no_grad():
+        seq[0].weight.normal_(0, 0.05, generator=g)
+    _quantize(seq, {torch.nn.Linear}, "bench_kernels")
+    proj = seq[0]
+    proj.__class__ = Int8RowsLinear
+    saved = Int8RowsLinear.MIN_ROWS
+    print(f"{'rows':>6} {'fbgemm us':>10} {'oneDNN us':>10} {'fbgemm/oneDNN':>14} {'max |diff|':>11} {'picked':>7}")
+    try:
+        with torch.inference_mode():
+            for R in a.rows:
+                x = torch.randn(R, a.dim, generator=g)
+                Int8RowsLinear.MIN_ROWS = 1 << 62  # fbgemm for every call
+                y_f = proj(x)
+                t_f = best_us(lambda: proj(x))
+                Int8RowsLinear.MIN_ROWS = 1  # oneDNN for every call
+                y_o = proj(x)
+                t_o = best_us(lambda: proj(x))
+                Int8RowsLinear.MIN_ROWS = saved
+                print(f"{R:>6} {t_f:>10.1f} {t_o:>10.1f} {t_f / t_o:>13.2f}x {(y_f - y_o).abs().max().item():>11.2e} "
+                      f"{proj.kernel(R):>7}")
+    finally:
+        Int8RowsLinear.MIN_ROWS = saved
+
+
+def reorders(a):
+    print(f"2. key/value buffer reorder (4 heads x 64, capacity 2n; rows = batch x beam {a.beam}): "
+          f"a fresh index_select of the buffer against reorder_cache")
+    print(f"{'rows':>6} {'cached n':>9} {'index_select us':>16} {'reorder_cache us':>17} {'x':>6}")
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for bsz in a.batches:
+            rows = bsz * a.beam
+            for n in a.cached:
+                buf = torch.randn(rows, 4, 2 * n, 64, generator=g)
+                order = (torch.arange(rows) // a.beam * a.beam + torch.randint(0, a.beam, (rows,), generator=g))
+                want = buf.index_select(0, order)[:, :, :n]
+                state = {"buf": buf, "spare": None}
+
+                def ours():
+                    state["buf"], state["spare"] = reorder_cache(state["buf"], state["spare"], order, n)
+
+                ours()
+                if not torch.equal(state["buf"][:, :, :n], want):
+                    raise SystemExit(f"reorder_cache differs from index_select for {rows} rows")  # pragma: no cover
+                t_old = best_us(lambda: buf.index_select(0, order))
+                t_new = best_us(ours)
+                print(f"{rows:>6} {n:>9} {t_old:>16.1f} {t_new:>17.1f} {t_old / t_new:>5.2f}x")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 12, 16, 24, 64, 256, 1024])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--cached", type=int, nargs="+", default=[10, 30])
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    if min([a.vocab, a.dim, a.beam, a.threads] + a.rows + a.batches + a.cached) < 1:
+        p.error("--vocab, --dim, --rows, --batches, --beam, --cached and --threads must be positive")
+    torch.set_num_threads(a.threads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notices
+        int8_rows(a)
+    reorders(a)
+
+
+if __name__ == "__main__":
+    main()
