@@ -248,6 +248,74 @@ def test_lean_decoder_reorder_with_a_permutation(K):
                                (torch.tensor([3, 1, 1, 0]), torch.tensor([3, 2]), torch.tensor([2, 0, 3, 1])))
 
 
+@pytest.mark.parametrize("K,used_only", [(1, False), (2, False), (2, True)])
+def test_lean_decoder_keeps_sources_once_per_sentence_through_reorders(K, used_only, monkeypatch):
+    """One state through a beam search's reorders: the expansion to the beam, permutations within sentences, a
+    finished sentence dropped, then a permutation across sentences. The source keys / values are kept once per
+    source while rows stay in equal runs per source and copied per row after that; the self-attention buffers
+    alternate with a spare. Every group equals the plain model's full pass over the same rows (1e-5)."""
+    if used_only:  # every buffer counts as large: reordered into the spare (a full one, n = capacity, too)
+        monkeypatch.setattr(lean_module, "REORDER_USED_ONLY", 0)
+        monkeypatch.setattr(lean_module, "CACHE_BLOCK", 2 * K)
+    plain, m = _lean_pair(K, 27)
+    src, lengths, prev = _batch(bsz=3, tgt_len=7 * K)
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    stages = [  # (order of the current rows, sources kept, rows per source) after the reorder
+        (torch.tensor([0, 0, 1, 1, 2, 2]), 3, 2),  # the first step's expansion to a beam of 2: no source copy
+        (torch.tensor([1, 1, 2, 3, 5, 4]), 3, 2),  # each sentence's rows among its own hypotheses
+        (torch.tensor([0, 1, 3, 3, 4, 5]), 3, 2),  # again (the buffers grew before this reorder) ...
+        (torch.tensor([1, 0, 2, 3, 4, 4]), 3, 2),  # ... and again: same shape, the spare buffer is reused
+        (torch.tensor([0, 1, 4, 5]), 2, 2),  # sentence 1 finished: its source is dropped
+        (torch.tensor([2, 0, 3, 1]), 4, 1),  # across sentences: a copy per row again
+    ]
+    rows = torch.arange(3)  # original sentence of each current row
+    reused = 0
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        full, full_extra = plain.decoder(sat_in, enc)
+        state = {}
+        m.decoder(sat_in[:, :K], enc, incremental_state=state)
+        lean = state[lean_module.STATE_KEY]
+        for g, (order, sources, P) in enumerate(stages, start=1):
+            spare = lean.get("kspare0")
+            m.decoder.reorder_incremental_state_scripting(state, order)
+            rows = rows[order]
+            assert (lean["ck0"].size(0), lean.get("cross_rows", 1)) == (sources, P), f"stage {g}"
+            if spare is not None and spare.size(0) == order.size(0) and spare.size(2) == lean["kbuf0"].size(2):
+                assert lean["kbuf0"].data_ptr() == spare.data_ptr()  # same shape: the spare is reused
+                reused += 1
+            assert (lean.get("kspare0") is not None) == used_only
+            # the encoder output is not passed reordered: the lean step holds the source keys and values
+            assert m.decoder.holds_encoder_states(state)
+            out, extra = m.decoder(sat_in[rows, : (g + 1) * K], enc, incremental_state=state)
+            assert_close(out, full[rows, g * K: (g + 1) * K], 1e-5, f"stage {g}")
+            assert_close(extra["attn"][0], full_extra["attn"][0][rows, g * K: (g + 1) * K], 1e-5, f"attn {g}")
+    assert reused == (1 if used_only else 0)
+
+
+def test_equal_runs():
+    assert lean_module.equal_runs([3, 3, 5, 5]) == ([3, 5], 2)
+    assert lean_module.equal_runs([3, 5, 5, 3]) == ([3, 5, 5, 3], 1)
+    assert lean_module.equal_runs([4, 4, 4]) == ([4], 3)
+    assert lean_module.equal_runs([1, 1, 2, 2, 2, 2]) == ([1, 2, 2], 2)  # a source in two runs: copied twice
+    assert lean_module.equal_runs([3, 3, 5]) is None and lean_module.equal_runs([3, 3, 5, 5, 5, 6]) is None
+    assert lean_module.equal_runs([]) is None
+
+
+def test_sat_generator_skips_the_encoder_reorder_with_the_lean_step(monkeypatch):
+    plain, m = _lean_pair(2, 28)
+    src, lengths, _ = _batch(bsz=3, seed=8)
+    calls = {}
+    for name, model in (("plain", plain), ("lean", m)):
+        gen = SATSequenceGenerator([model], DICT, beam_size=3, max_len_a=1.0, max_len_b=5)
+        orig = gen.model.reorder_encoder_out
+        monkeypatch.setattr(gen.model, "reorder_encoder_out",
+                            lambda e, o, name=name, orig=orig: calls.__setitem__(name, calls.get(name, 0) + 1)
+                            or orig(e, o))
+        gen.generate([model], sat_sample(src, lengths))
+    assert calls.get("plain", 0) >= 2 and "lean" not in calls
+
+
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_lean_decoder_keeps_the_hypotheses(K):
     plain, m = _lean_pair(K, 23)

@@ -172,6 +172,16 @@ class _GroupSearch(SequenceGenerator):
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
 
+    def _reorder(self, state, encoder_outs, rows: Tensor):
+        """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
+        (``lean-decoder`` keeps the source keys and values itself: ``holds_encoder_states``)."""
+        decoder = self.model.single_model.decoder
+        decoder.reorder_incremental_state_scripting(state, rows)
+        holds = getattr(decoder, "holds_encoder_states", None)
+        if holds is not None and holds(state):
+            return encoder_outs
+        return self.model.reorder_encoder_out(encoder_outs, rows)
+
     @staticmethod
     def _nan_to_neg_inf(lprobs: Tensor) -> Tensor:
         """fairseq's rule that a NaN log-probability is -inf, in place. A search over [N, K, V] per step costs more
@@ -249,8 +259,7 @@ class _GroupSearch(SequenceGenerator):
             tokens, cum = tokens.index_select(0, keep), cum.index_select(0, keep)
             if attn is not None:
                 attn = attn.index_select(0, keep)
-            self.model.single_model.decoder.reorder_incremental_state_scripting(state, keep)
-            encoder_outs = self.model.reorder_encoder_out(encoder_outs, keep)
+            encoder_outs = self._reorder(state, encoder_outs, keep)
         return finalized
 
     # -- exact group beam search ---------------------------------------------------------------------------
@@ -448,8 +457,7 @@ class _GroupSearch(SequenceGenerator):
             scores = scores.view(-1)
             sents = [sents[s] for s in keep_sents]
             P = B
-            self.model.single_model.decoder.reorder_incremental_state_scripting(state, rows)
-            encoder_outs = self.model.reorder_encoder_out(encoder_outs, rows)
+            encoder_outs = self._reorder(state, encoder_outs, rows)
         return self._sorted(finalized)
 
 
