@@ -124,11 +124,11 @@ _AMX_INT8 = _amx_int8()
 
 class Int8RowsLinear(_DynamicQuantizedLinear):
     """PyTorch's dynamically quantised ``Linear`` (fbgemm) for the softmax projection, with oneDNN's int8 kernel
-    for calls of :attr:`MIN_ROWS` rows or more where the CPU has AMX tiles. fbgemm's cost grows by about 10 us
-    per row on the 8,000 x 256 projection; oneDNN's (AMX) by about 4 below 32 rows and much less beyond, but
-    it starts higher (one thread: 234 vs 280 us for 4 rows, 358 vs 311 for 16, 825 vs 455 for 64, 14.6 vs
-    4.0 ms for 1,024; ``python benchmarks/bench_kernels.py``). So one-row and beam-4 calls keep fbgemm, and
-    the K x B rows of a SAT group, batched decoding and long rescoring calls take oneDNN.
+    for calls of :attr:`MIN_ROWS` rows or more where the CPU has AMX tiles. On the 8,000 x 256 projection
+    fbgemm's cost grows by about 10 us per row, oneDNN's by about 3 up to 24 rows and less beyond, but oneDNN
+    starts higher (``python benchmarks/bench_kernels.py``, one thread, fbgemm / oneDNN: 184 / 277 us for 4
+    rows, 325 / 304 for 16, 769 / 438 for 64, 20.7 / 6.1 ms for 1,024). So one-row and beam-4 calls keep
+    fbgemm, and the K x B rows of a SAT group and batched decoding take oneDNN.
 
     Both kernels get the same int8 weights and the same 7-bit activation quantisation (``reduce_range``, as
     fbgemm's), so the outputs agree up to the order of the float sums (~1e-7 relative, tested). The oneDNN
@@ -136,7 +136,7 @@ class Int8RowsLinear(_DynamicQuantizedLinear):
     replaced (``load_state_dict``, ``set_weight_bias``); ``state_dict`` is the quantised module's."""
 
     MIN_ROWS = 12
-    _onednn = weakref.WeakKeyDictionary()  # module -> (its fbgemm packed params, oneDNN pack, scales, zps, bias)
+    _onednn = weakref.WeakKeyDictionary()  # module -> (its packed params, (oneDNN pack, scales, zps, bias) or None)
 
     def kernel(self, rows: int) -> str:
         """The kernel a call with ``rows`` rows runs: "onednn" or "fbgemm"."""

@@ -22,10 +22,10 @@ of new positions that is a multiple of the decoder's group size K (1 for a plain
 get the relaxed causal mask, one group none). Everything else (training, full passes, fairseq's own
 ``SequenceGenerator``, which feeds one token at a time to a K > 1 model) takes the decoder's own code. The
 state lives in the incremental state under one key and is reordered by ``reorder_incremental_state`` like
-fairseq's (the key/value buffers into a spare buffer kept for the next reorder, only the cached positions where
-the buffer is large: ``reorder_cache``). Float32 stays float32; the sums are ordered differently (differences ~1e-6), so hypotheses equal
-the plain model's except at near-ties (``tests/test_inference.py``: incremental == full pass within 1e-5,
-reorders with permutations, same hypotheses as the plain model).
+fairseq's (large key/value buffers into a spare buffer kept for the next reorder, only their cached positions:
+``reorder_cache``). Float32 stays float32; the sums are ordered differently (differences ~1e-6), so hypotheses
+equal the plain model's except at near-ties (``tests/test_inference.py``: incremental == full pass within
+1e-5, reorders with permutations, same hypotheses as the plain model).
 
 Decoders it refuses, with one line: layers with cross-self-attention, NormFormer's extra norms or scaled
 residuals (``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder
