@@ -19,23 +19,16 @@ import warnings
 
 import torch
 
+from bench_beam_rows import best_us as best_of_5_us
 from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize
 from fairseq_ext.lean_decoder import reorder_cache
 
 
 def best_us(fn, budget_s: float = 0.05) -> float:
+    """bench_beam_rows' best of 5, with as many calls per repeat as fit in about ``budget_s``."""
     t0 = time.perf_counter()
     fn()
-    n = max(3, min(2000, int(budget_s / max(time.perf_counter() - t0, 1e-7))))
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return min(times)
+    return best_of_5_us(fn, max(3, min(2000, int(budget_s / max(time.perf_counter() - t0, 1e-7)))))
 
 
 def int8_rows(a):
