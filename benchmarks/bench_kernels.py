@@ -3,7 +3,9 @@
 1. int8 softmax projection (``int8-decoder`` / ``int8-output``): fbgemm (PyTorch's dynamic quantisation) against
    oneDNN's int8 kernel (AMX tiles) by row count, and the kernel that ``Int8RowsLinear`` picks for each;
 2. ``lean-decoder``'s key/value cache reorder after a beam step: a fresh ``index_select`` of the whole buffer
-   (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer).
+   (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer);
+3. ``lean-decoder`` with int8 projections: the self-attention's three int8 q/k/v calls against the one call of
+   ``fused_qkv_int8`` (checked equal bit for bit).
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
                                        [--batches 1 16 64] [--threads 1]
@@ -21,7 +23,7 @@ import torch
 
 from bench_beam_rows import best_us as best_of_5_us
 from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize
-from fairseq_ext.lean_decoder import reorder_cache
+from fairseq_ext.lean_decoder import fused_qkv_int8, reorder_cache
 
 
 def best_us(fn, budget_s: float = 0.05) -> float:
@@ -87,6 +89,25 @@ def reorders(a):
                 print(f"{rows:>6} {n:>9} {t_old:>16.1f} {t_new:>17.1f} {t_old / t_new:>5.2f}x")
 
 
+def int8_qkv(a):
+    print(f"3. int8 q/k/v projections ({a.dim} x {a.dim} each): three calls against one fused call")
+    print(f"{'rows':>6} {'three us':>9} {'fused us':>9} {'x':>6}")
+    torch.manual_seed(2)
+    att = torch.nn.Module()
+    att.q_proj, att.k_proj, att.v_proj = (torch.nn.Linear(a.dim, a.dim) for _ in range(3))
+    _quantize(att, {torch.nn.Linear}, "bench_kernels")
+    with torch.inference_mode():
+        for R in a.qkv_rows:
+            x = torch.randn(R, 1, a.dim)
+            fused = fused_qkv_int8(att)
+            if not all(torch.equal(f, m(x)) for f, m in zip(fused(x).chunk(3, dim=-1),
+                                                             (att.q_proj, att.k_proj, att.v_proj))):
+                raise SystemExit(f"fused int8 q/k/v differ from the three calls for {R} rows")  # pragma: no cover
+            t_three = best_us(lambda: (att.q_proj(x), att.k_proj(x), att.v_proj(x)))
+            t_fused = best_us(lambda: fused(x).chunk(3, dim=-1))
+            print(f"{R:>6} {t_three:>9.1f} {t_fused:>9.1f} {t_three / t_fused:>5.2f}x")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=8000)
@@ -95,15 +116,17 @@ def main(argv=None):
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--cached", type=int, nargs="+", default=[10, 30])
+    p.add_argument("--qkv-rows", type=int, nargs="+", default=[1, 4, 16, 24])
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    if min([a.vocab, a.dim, a.beam, a.threads] + a.rows + a.batches + a.cached) < 1:
-        p.error("--vocab, --dim, --rows, --batches, --beam, --cached and --threads must be positive")
+    if min([a.vocab, a.dim, a.beam, a.threads] + a.rows + a.batches + a.cached + a.qkv_rows) < 1:
+        p.error("--vocab, --dim, --rows, --batches, --beam, --cached, --qkv-rows and --threads must be positive")
     torch.set_num_threads(a.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         int8_rows(a)
-    reorders(a)
+        reorders(a)
+        int8_qkv(a)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,10 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import append_to_cache, lean_decoder, merge_heads, qkv, split_heads
+from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, lean_decoder, merge_heads, qkv,
+                                     split_heads)
 
 LAYERS = ("output", "decoder")
-with warnings.catch_warnings():  # torch.ao announces its move to torchao
-    warnings.simplefilter("ignore")
-    from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantizedLinear
 
 
 class PackedLinear(torch.nn.Linear):

@@ -121,7 +121,7 @@ def test_bench_beam_rows_runs_and_checks_top_b():
 
 def test_bench_kernels_runs_and_checks_both_kernels():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--vocab", "600",
-                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3"],
+                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3", "--qkv-rows", "3"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -130,8 +130,10 @@ def test_bench_kernels_runs_and_checks_both_kernels():
         rows = [x.split() for x in lines[2:part2]]
         assert [r[0] for r in rows] == ["2", "16"] and all(float(r[4]) < 1e-5 for r in rows)
         assert [r[5] for r in rows] == ["fbgemm", "onednn"]
-    rows = [x.split() for x in lines[part2 + 2:]]
+    part3 = lines.index(next(x for x in lines if x.startswith("3. ")))
+    rows = [x.split() for x in lines[part2 + 2: part3]]
     assert [(r[0], r[1]) for r in rows] == [("4", "3"), ("8", "3")]
+    assert [x.split()[0] for x in lines[part3 + 2:]] == ["3"]  # fused int8 q/k/v (checked equal in the script)
 
 
 def _int8_pair(seed=0, out=700, dim=64):

@@ -293,6 +293,23 @@ def test_lean_decoder_keeps_sources_once_per_sentence_through_reorders(K, used_o
     assert reused == (1 if used_only else 0)
 
 
+def test_int8_qkv_fused_bit_for_bit_and_remade_for_new_weights():
+    m = quantize_decoder(sat_model(2, seed=29), layers="decoder")
+    att = m.decoder.layers[0].self_attn
+    x = torch.randn(3, 4, att.q_proj.in_features)
+    with torch.inference_mode():
+        fused = lean_module.qkv(att, x)
+        assert lean_module.fused_qkv_int8(att) is not None
+        for got, proj in zip(fused, (att.q_proj, att.k_proj, att.v_proj)):
+            assert torch.equal(got, proj(x))  # one int8 call, the three outputs exactly
+    other = quantize_decoder(sat_model(2, seed=30), layers="decoder").decoder.layers[0].self_attn
+    att.k_proj.load_state_dict(other.k_proj.state_dict())  # new weights: the fused module is made again
+    with torch.inference_mode():
+        q, k, v = lean_module.qkv(att, x)
+        assert torch.equal(k, other.k_proj(x)) and torch.equal(q, att.q_proj(x))
+    assert not any("fused" in key for key in m.state_dict())
+
+
 def test_equal_runs():
     assert lean_module.equal_runs([3, 3, 5, 5]) == ([3, 5], 2)
     assert lean_module.equal_runs([3, 5, 5, 3]) == ([3, 5, 5, 3], 1)
