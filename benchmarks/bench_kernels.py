@@ -8,7 +8,8 @@
    ``fused_qkv_int8`` (checked equal bit for bit).
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
-                                       [--batches 1 16 64] [--threads 1]
+                                       [--batches 1 16 64] [--beam 4] [--cached 10 30] [--qkv-rows 1 4 16 24]
+                                       [--threads 1]
 
 Microseconds are the best of 5 timed repeats; ratios are measured in the same run. Part 1 also checks that both
 kernels give the same numbers (largest difference printed) and is skipped, with a line, where this PyTorch build
