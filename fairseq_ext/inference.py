@@ -40,8 +40,8 @@ import torch
 from fairseq.modules import MultiheadAttention
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, lean_decoder, merge_heads, qkv,
-                                     split_heads)
+from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, int8_weight_rows, lean_decoder,
+                                     merge_heads, qkv, split_heads)
 
 LAYERS = ("output", "decoder")
 
@@ -138,32 +138,33 @@ class Int8RowsLinear(_DynamicQuantizedLinear):
 
     def kernel(self, rows: int) -> str:
         """The kernel a call with ``rows`` rows runs: "onednn" or "fbgemm"."""
-        return "onednn" if rows >= self.MIN_ROWS and _AMX_INT8 and self._onednn_pack() is not None else "fbgemm"
+        return "fbgemm" if self._onednn_for(rows) is None else "onednn"
 
-    def _onednn_pack(self):
+    def _onednn_for(self, rows: int):
+        """(oneDNN pack, scales, zero points, bias) when a call with ``rows`` rows runs oneDNN's kernel, else None.
+        The pack is made on first use and again when the packed weight is replaced."""
+        if rows < self.MIN_ROWS or not _AMX_INT8:
+            return None
         src = self._packed_params._packed_params
         cached = self._onednn.get(self)
         if cached is None or cached[0] is not src:
             w, b = self._packed_params._weight_bias()
-            pack = None
-            if w.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric) and w.q_zero_point() == 0:
-                scales = torch.full((w.size(0),), w.q_scale(), dtype=torch.float32)
-                pack = (torch.ops.onednn.qlinear_prepack(w.int_repr(), None), scales,
-                        torch.zeros(w.size(0), dtype=torch.int64), b)
-            elif (w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric)
-                  and not w.q_per_channel_zero_points().any()):
-                pack = (torch.ops.onednn.qlinear_prepack(w.int_repr(), None),
-                        w.q_per_channel_scales().float(), w.q_per_channel_zero_points().long(), b)
+            rows_of_w = int8_weight_rows(w)
+            pack = None if rows_of_w is None else (
+                torch.ops.onednn.qlinear_prepack(rows_of_w[0], None), rows_of_w[1].float(),
+                torch.zeros(w.size(0), dtype=torch.int64), b)
             cached = self._onednn[self] = (src, pack)  # pack None: a weight oneDNN's kernel does not take
         return cached[1]
 
     def forward(self, x):
-        rows = x.numel() // self.in_features
-        if x.dtype != torch.float32 or x.device.type != "cpu" or self.kernel(rows) != "onednn":
+        pack = None
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            pack = self._onednn_for(x.numel() // self.in_features)
+        if pack is None:
             return super().forward(x)
-        pack, scales, zps, bias = self._onednn_pack()
+        packed, scales, zps, bias = pack
         qx = torch.quantize_per_tensor_dynamic(x.reshape(-1, self.in_features), torch.quint8, True)
-        y = torch.ops.onednn.qlinear_pointwise(qx.int_repr(), qx.q_scale(), qx.q_zero_point(), pack, scales, zps,
+        y = torch.ops.onednn.qlinear_pointwise(qx.int_repr(), qx.q_scale(), qx.q_zero_point(), packed, scales, zps,
                                                bias, 1.0, 0, torch.float32, "none", [], "")
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -111,13 +111,26 @@ def fused_qkv(att):
     return att._fused_qkv
 
 
+def int8_weight_rows(w: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+    """(int8 values [out, in], the scale of each output row, float64) of a quantised qint8 weight with zero points
+    0, per tensor or per row (PyTorch's dynamic quantisation gives these); None for any other weight."""
+    if w.dtype != torch.qint8:
+        return None
+    if w.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric) and w.q_zero_point() == 0:
+        return w.int_repr(), torch.full((w.size(0),), w.q_scale(), dtype=torch.double)
+    if w.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric) and w.q_per_channel_axis() == 0 \
+            and not w.q_per_channel_zero_points().any():
+        return w.int_repr(), w.q_per_channel_scales().double()
+    return None
+
+
 def fused_qkv_int8(att):
     """The three projections of ``att`` as one int8 module when all three are PyTorch's dynamically quantised
-    ``Linear`` with per-tensor weights: their int8 weights stacked, each block keeping its scale (per-channel
-    scales), so one call gives the three outputs bit for bit (the activations are quantised once, as each of the
-    three calls did with the same input) in well under half the time (``python benchmarks/bench_kernels.py``, one
-    thread, 256 x 256 each: 93.9 -> 37.9 us for 4 rows, 117.7 -> 66.5 us for 24). Re-made when a projection gets
-    new weights; None otherwise."""
+    ``Linear`` with symmetric weights (:func:`int8_weight_rows`): their int8 weights stacked, each row keeping its
+    scale (per-channel scales), so one call gives the three outputs bit for bit (the activations are quantised
+    once, as each of the three calls did with the same input) in well under half the time (``python
+    benchmarks/bench_kernels.py``, one thread, 256 x 256 each: 93.9 -> 37.9 us for 4 rows, 117.7 -> 66.5 us for
+    24). Re-made when a projection gets new weights; None otherwise."""
     ws = (att.q_proj, att.k_proj, att.v_proj)
     if not all(isinstance(m, _DynamicQuantizedLinear) for m in ws):
         return None
@@ -126,16 +139,15 @@ def fused_qkv_int8(att):
     if cached is None or any(a is not b for a, b in zip(cached[0], key)):
         fused = None
         weights = [m._packed_params._weight_bias() for m in ws]
-        if all(w.dtype == torch.qint8 and w.qscheme() == torch.per_tensor_affine and w.q_zero_point() == 0
-               for w, _ in weights):
-            ints = torch.cat([w.int_repr() for w, _ in weights])
-            scales = torch.cat([torch.full((w.size(0),), w.q_scale(), dtype=torch.double) for w, _ in weights])
+        rows = [int8_weight_rows(w) for w, _ in weights]
+        if all(r is not None for r in rows):
+            ints = torch.cat([r[0] for r in rows])
+            scales = torch.cat([r[1] for r in rows])
             wq = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros_like(scales, dtype=torch.long), 0)
             bias = torch.cat([b if b is not None else w.new_zeros(w.size(0), dtype=torch.float) for w, b in weights])
             fused = _DynamicQuantizedLinear(ws[0].in_features, ints.size(0), dtype=torch.qint8)
             fused.set_weight_bias(wq, bias)
-        cached = (key, fused)
-        object.__setattr__(att, "_fused_qkv_int8", cached)  # not a submodule: no state_dict entry
+        att._fused_qkv_int8 = cached = (key, fused)  # a tuple: not a submodule, no state_dict entry
     return cached[1]
 
 
