@@ -348,6 +348,19 @@ class LeanIncrementalDecoding:
             out.append(view)
         return out
 
+    def reorder_incremental_state_scripting(self, incremental_state, new_order):
+        """The entry point of fairseq's generators (and of the SAT generator): fairseq's walks every submodule and
+        reorders each one's state, 97 modules of a 3-layer decoder (about 160 us of ``hasattr`` a call, once per
+        word of a beam search). When the lean step's state is the only one that holds anything (fairseq's
+        attention modules hold none: the lean step does not use them), reordering it is the whole job; any other
+        state (a step that fell back to fairseq's path) takes fairseq's walk."""
+        if incremental_state is not None and STATE_KEY in incremental_state and all(
+                key == STATE_KEY or (isinstance(value, dict) and not value)
+                for key, value in incremental_state.items()):
+            self.reorder_incremental_state(incremental_state, new_order)
+            return
+        super().reorder_incremental_state_scripting(incremental_state, new_order)
+
     def reorder_incremental_state(self, incremental_state, new_order):
         state = incremental_state.get(STATE_KEY) if incremental_state is not None else None
         if state is None:

@@ -293,6 +293,43 @@ def test_lean_decoder_keeps_sources_once_per_sentence_through_reorders(K, used_o
     assert reused == (1 if used_only else 0)
 
 
+def test_lean_decoder_reorders_its_state_without_fairseqs_module_walk(monkeypatch):
+    """The generators' entry point reorders only the lean state when no other module holds any: the same state as
+    fairseq's walk over every submodule, without calling the attention modules; a state that fairseq's path wrote
+    takes the walk."""
+    from fairseq.models.fairseq_incremental_decoder import FairseqIncrementalDecoder
+    from fairseq.modules import MultiheadAttention
+    calls = []
+    walk_one = MultiheadAttention.reorder_incremental_state
+    monkeypatch.setattr(MultiheadAttention, "reorder_incremental_state",
+                        lambda self, *a: calls.append(self) or walk_one(self, *a))
+    K = 2
+    _, m = _lean_pair(K, 31)
+    src, lengths, prev = _batch()
+    sat_in = sat_decoder_input(prev, K, DICT.eos())
+    order = torch.tensor([2, 2, 0, 3])
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        state = {}
+        m.decoder(sat_in[:, :2 * K], enc, incremental_state=state)
+        walked = {key: dict(value) for key, value in state.items()}
+        m.decoder.reorder_incremental_state_scripting(state, order)
+        assert calls == [] and list(state) == [lean_module.STATE_KEY]
+        FairseqIncrementalDecoder.reorder_incremental_state_scripting(m.decoder, walked, order)  # fairseq's walk
+        walked_modules = 2 * len(m.decoder.layers)  # every layer's self and encoder attention
+        assert len(calls) == walked_modules
+        lean, lean_walked = state[lean_module.STATE_KEY], walked[lean_module.STATE_KEY]
+        assert set(lean) == set(lean_walked)
+        for name, value in lean.items():
+            assert (torch.equal(value, lean_walked[name]) if torch.is_tensor(value) else value == lean_walked[name]), name
+        # a state written by fairseq's attention module: the walk reorders it too
+        att = m.decoder.layers[0].self_attn
+        held = torch.randn(4, att.num_heads, 3, att.head_dim)
+        att._set_input_buffer(state, {"prev_key": held})
+        m.decoder.reorder_incremental_state_scripting(state, order)
+        assert len(calls) == 2 * walked_modules and torch.equal(att._get_input_buffer(state)["prev_key"], held[order])
+
+
 def test_int8_qkv_fused_bit_for_bit_and_remade_for_new_weights():
     m = quantize_decoder(sat_model(2, seed=29), layers="decoder")
     att = m.decoder.layers[0].self_attn
