@@ -300,35 +300,60 @@ class _GroupSearch(SequenceGenerator):
             cache[key] = (ranks, torch.tensor(lengths, device=device), lengths)
         return cache[key]
 
+    def _enumerated_slots(self, cands, J: int):
+        """What the enumerated step ranks at each position j < J, fixed per (rank tuples, J) and cached: the
+        candidates that end at j (length j), then the prefixes of length j + 1, padded to W slots per position.
+        Returns (index [J * W] into ``cat([end, prefix, -inf])`` of [N, 2C + 1], ends [1, J, 1] (slots below
+        it end at j), slot_candidate[j][w] (the candidate of each slot), W) and, per candidate, the eos
+        position [1, C] and the length [1, C, 1] and full-length mask [1, C] used by the step."""
+        cache = self.__dict__.setdefault("_enumerated_slot_cache", {})
+        key = (id(cands[0]), J)
+        if key not in cache:
+            ranks, lengths, length_list = cands
+            C, K = ranks.size(0), ranks.size(1)
+            index, slot_candidate, n_ends = [], [], []
+            for j in range(J):
+                ending = [c for c in range(C) if length_list[c] == j]
+                growing = [c for c in range(C) if length_list[c] == j + 1]
+                slot_candidate.append(ending + growing)
+                index.append(ending + [C + c for c in growing])
+                n_ends.append(len(ending))
+            W = max(len(slots) for slots in index)
+            index = torch.tensor([slots + [2 * C] * (W - len(slots)) for slots in index], device=lengths.device)
+            cache[key] = (cands[0], index.view(-1), torch.tensor(n_ends, device=lengths.device).view(1, J, 1),
+                          slot_candidate, W, lengths.clamp(max=K - 1).view(1, C), lengths.view(1, C, 1),
+                          (lengths != K).view(1, C))
+        return cache[key][1:]
+
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
         one cumulative sum and one top-B for all positions, instead of a prune per position."""
         ranks, lengths, length_list = cands
         N, K, B = vals.shape
         C, J = ranks.size(0), last + 1
+        index, n_ends, slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, J)
         idx = ranks.t().unsqueeze(0).expand(N, K, C)
         cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
         # cumulative scores along each candidate: s(h), then + lp_k(v_k) per position (cumsum accumulates in
         # double on a CPU: the same float as fairseq's running sum for K = 1, within an ulp per position beyond)
         cand_vals = vals.gather(2, idx).transpose(1, 2)  # [N, C, K]
         cand_cum = torch.cat([scores.view(N, 1, 1).expand(N, C, 1), cand_vals], 2).cumsum(2)  # [N, C, K + 1]
-        prefix = cand_cum.gather(2, lengths.view(1, C, 1).expand(N, C, 1)).squeeze(2)  # [N, C]
+        prefix = cand_cum.gather(2, length_at.expand(N, C, 1)).squeeze(2)  # [N, C]
         # ending at position L: the prefix of length L, then EOS there (none for L = K: the group is full)
-        end = prefix + eos_lp.gather(1, lengths.clamp(max=K - 1).unsqueeze(0).expand(N, C))
-        at = torch.arange(J, device=vals.device).unsqueeze(1)
-        ranked = torch.cat([end.unsqueeze(1).masked_fill(lengths.unsqueeze(0) != at, -math.inf),
-                            prefix.unsqueeze(1).masked_fill(lengths.unsqueeze(0) != at + 1, -math.inf)], 2)
-        ranked = ranked.view(n, P, J, 2 * C).transpose(1, 2).reshape(n, J, P * 2 * C)
+        end = prefix + eos_lp.gather(1, eos_at.expand(N, C))
+        # per position j, the candidates of length j + 1: those ending at j and the prefixes of length j + 1
+        ranked = torch.cat([end, prefix, end.new_full((N, 1), -math.inf)], 1).index_select(1, index)
+        ranked = ranked.view(n, P, J, W).transpose(1, 2).reshape(n, J, P * W)
         top_sc, top_i = ranked.topk(B, dim=2)  # per sentence and position, the top B of that length
-        fin = torch.where((top_i % (2 * C) < C) & top_sc.ne(-math.inf), top_i, -1)
+        fin = torch.where((top_i % W < n_ends) & top_sc.ne(-math.inf), top_i, -1)
         fin_list = fin.transpose(0, 1).tolist()  # [J, n, B]
 
         def ended(j, s, i):
-            row, c = s * P + i // (2 * C), i % (2 * C)
+            row, c = s * P + i // W, slot_candidate[j][i % W]
             L = length_list[c]
             return row, cand_words[row, c, :L], torch.cat([cand_cum[row, c, 1: L + 1], end[row, c: c + 1]])
 
-        alive = prefix.masked_fill(lengths.unsqueeze(0) != K, -math.inf)
+        alive = prefix.masked_fill(not_full, -math.inf)
 
         def chosen(flat):
             return (cand_words.reshape(-1, K).index_select(0, flat),
