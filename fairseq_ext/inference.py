@@ -21,9 +21,11 @@ at near-ties): :func:`prepack_output` runs the softmax projection through MKL's 
 reordered once, so a call with a few rows costs about what a one-row call does), and :func:`fast_attention`
 gives the decoder's attention a lean incremental path (fused Q/K/V projection, a preallocated key/value cache,
 ``F.scaled_dot_product_attention``); :func:`fairseq_ext.lean_decoder.lean_decoder` replaces the whole incremental
-decoder step by a lean one (the same products without fairseq's per-call bookkeeping). :func:`apply_speedups`
+decoder step by a lean one (the same products without fairseq's per-call bookkeeping), and
+:func:`fairseq_ext.lean_encoder.lean_encoder` the encoder layers (one q/k/v call, PyTorch's attention kernel).
+:func:`apply_speedups`
 applies any of them by name; ``fairseq-generate --task translation_sat --inference-speedups
-fast-attention,prepack`` (or ``lean-decoder,prepack``) does it from the command line.
+fast-attention,prepack`` (or ``lean-decoder,lean-encoder,prepack``) does it from the command line.
 
 For inference: the model changes in place and its outputs change a little (int8 rounding of the weights),
 so hypotheses can differ from the float model's; the benchmark reports BLEU (trained models) or agreement
@@ -42,6 +44,7 @@ from fairseq.modules import MultiheadAttention
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, int8_weight_rows, lean_decoder,
                                      merge_heads, qkv, split_heads)
+from fairseq_ext.lean_encoder import lean_encoder
 
 LAYERS = ("output", "decoder")
 
@@ -353,6 +356,7 @@ SPEEDUPS = {  # name -> function(model); applied in this order
     "fast-attention": fast_attention,
     "prepack": prepack_output,
     "lean-decoder": lean_decoder,
+    "lean-encoder": lean_encoder,
 }
 
 

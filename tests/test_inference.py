@@ -15,13 +15,14 @@ import fairseq_ext  # noqa: F401  (registers the plugin)
 import fairseq_ext.lean_decoder as lean_module
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference import (FastIncrementalAttention, PackedLinear, apply_speedups, fast_attention,
-                                   prepack_output, quantize_decoder)
+                                   prepack_output, quantize_decoder, quantize_encoder)
 from fairseq_ext.lean_decoder import LeanIncrementalDecoding, lean_decoder
+from fairseq_ext.lean_encoder import lean_encoder
 from fairseq_ext.release import read_manifest, verify
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, sat_decoder_input
 from tests.builders import SAT_DICT as DICT
-from tests.builders import SatTask, sat_args, sat_model, sat_sample
+from tests.builders import SatTask, msc_build, sat_args, sat_model, sat_sample
 from tests.helpers import ROOT, assert_close, run_cli
 from tests.helpers import DEMO
 
@@ -430,6 +431,68 @@ def test_lean_decoder_refuses_what_it_does_not_compute():
 
 
 # -- apply_speedups and --inference-speedups ------------------------------------------------------------------
+# -- lean_encoder ---------------------------------------------------------------------------------------------
+def _count_layer_code(monkeypatch):
+    """Counts the calls of fairseq's own encoder-layer code (the lean layer's fallback)."""
+    from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
+    calls = []
+    own = TransformerEncoderLayerBase.forward
+    monkeypatch.setattr(TransformerEncoderLayerBase, "forward", lambda self, *a, **k: calls.append(self) or own(self, *a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("kw", [{}, {"encoder_normalize_before": True}])
+def test_lean_encoder_equals_fairseqs_encoder(kw, monkeypatch):
+    """Float32: fairseq's encoder output and every layer's state, on a batch with a padded source, without
+    fairseq's layer code; in training or under autograd the layers' own code runs."""
+    torch.manual_seed(41)
+    plain = SATModel.build_model(sat_args("sat_transformer", 2, **kw), SatTask()).eval()
+    lean = SATModel.build_model(sat_args("sat_transformer", 2, **kw), SatTask())
+    lean.load_state_dict(plain.state_dict())
+    lean_encoder(lean)
+    calls = _count_layer_code(monkeypatch)
+    src, lengths, _ = _batch()
+    with torch.inference_mode():
+        want = plain.encoder(src, src_lengths=lengths, return_all_hiddens=True)
+        n_layers = len(calls)
+        got = lean.encoder(src, src_lengths=lengths, return_all_hiddens=True)
+    assert n_layers == len(plain.encoder.layers) and len(calls) == n_layers  # the lean layers ran
+    assert_close(got["encoder_out"][0], want["encoder_out"][0], 1e-6, "encoder output")
+    for i, (g, w) in enumerate(zip(got["encoder_states"], want["encoder_states"])):
+        assert_close(g, w, 1e-6, f"state {i}")
+    assert torch.equal(got["encoder_padding_mask"][0], want["encoder_padding_mask"][0])
+    with torch.enable_grad():  # autograd: the layers' own code, gradients flow
+        out = lean.encoder(src, src_lengths=lengths)["encoder_out"][0]
+    assert out.requires_grad and len(calls) == 2 * n_layers
+    lean.train()
+    lean.encoder(src, src_lengths=lengths)
+    assert len(calls) == 3 * n_layers
+
+
+def test_lean_encoder_with_int8_projections_and_refusals(monkeypatch):
+    """int8: one fused q/k/v call per layer (outputs bit for bit the three calls', see the test above), the
+    attention sums ordered as in fairseq's float fused path: as close to the float encoder as fairseq's int8
+    encoder is. Encoders the lean layer does not compute are refused with one line."""
+    float_model = sat_model(2, seed=42)
+    plain = quantize_encoder(sat_model(2, seed=42))
+    lean = lean_encoder(quantize_encoder(sat_model(2, seed=42)))
+    fused = []
+    make = lean_module.fused_qkv_int8
+    monkeypatch.setattr(lean_module, "fused_qkv_int8", lambda att: fused.append(att) or make(att))
+    src, lengths, _ = _batch()
+    with torch.inference_mode():
+        want = float_model.encoder(src, src_lengths=lengths)["encoder_out"][0]
+        fairseq_int8 = plain.encoder(src, src_lengths=lengths)["encoder_out"][0]
+        got = lean.encoder(src, src_lengths=lengths)["encoder_out"][0]
+    assert len(fused) == len(lean.encoder.layers)
+    assert (got - want).abs().max() <= 2 * (fairseq_int8 - want).abs().max() + 1e-6
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    with pytest.raises(FairseqExtError, match="lean_encoder: encoder layer 0 has its own layer code"):
+        lean_encoder(msc_build()[0])
+    with pytest.raises(FairseqExtError, match="lean_encoder: the model has no .encoder"):
+        lean_encoder(torch.nn.Linear(2, 2))
+
+
 def test_apply_speedups_by_name_once_each():
     m = apply_speedups(sat_model(2, seed=10), "prepack, fast-attention")
     assert isinstance(m.decoder.output_projection, PackedLinear)
@@ -445,7 +508,7 @@ def test_apply_speedups_by_name_once_each():
 @pytest.mark.slow
 def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups
-    fast-attention,prepack gives the float model's translations (and int8-decoder translations with the meaning
+    fast-attention,prepack and lean-decoder,lean-encoder give the float model's translations (and int8-decoder translations with the meaning
     kept); an unknown name stops it with one line naming the flag."""
     release_dir = os.path.join(ROOT, "releases", "bible-de-en")
     if "sat_transformer_k2" not in read_manifest(release_dir)["models"]:
@@ -466,6 +529,7 @@ def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     plain = translate()
     assert len(plain) == len(DEMO)
     assert translate("--inference-speedups", "fast-attention,prepack") == plain
+    assert translate("--inference-speedups", "lean-decoder,lean-encoder") == plain
     for out, words in zip(translate("--inference-speedups", "int8-decoder"), DEMO.values()):
         assert all(w in out for w in words), out
     proc = run_cli("interactive", [tmp_path] + base + ["--inference-speedups", "fast"], input=sentences, check=False)

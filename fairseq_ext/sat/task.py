@@ -32,9 +32,10 @@ class TranslationSATConfig(TranslationConfig):
     inference_speedups: str = field(
         default="",
         metadata={"help": "comma-separated CPU decoding speed-ups applied to the loaded models (fairseq_ext."
-                          "inference): fast-attention, prepack and lean-decoder keep float32 (sums reordered, ~1e-6); "
-                          "int8-output, int8-decoder, int8-encoder quantise the softmax projection / every decoder "
-                          "/ every encoder nn.Linear (outputs change a little). Inference only."})
+                          "inference): fast-attention, prepack, lean-decoder and lean-encoder keep float32 "
+                          "(sums reordered, ~1e-6); int8-output, int8-decoder, int8-encoder quantise the softmax "
+                          "projection / every decoder / every encoder nn.Linear (outputs change a little). Inference "
+                          "only."})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
