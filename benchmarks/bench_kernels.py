@@ -5,11 +5,14 @@
 2. ``lean-decoder``'s key/value cache reorder after a beam step: a fresh ``index_select`` of the whole buffer
    (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer);
 3. ``lean-decoder`` with int8 projections: the self-attention's three int8 q/k/v calls against the one call of
-   ``fused_qkv_int8`` (checked equal bit for bit).
+   ``fused_qkv_int8`` (checked equal bit for bit);
+4. ``lean-encoder`` (docs/sat_transformer.md, run L): a fairseq transformer encoder (--dim, --ffn, --heads,
+   --layers) on one source of each of --src-lens tokens, fairseq's layers against the lean ones, float32 (largest
+   difference printed) and with int8 projections (``int8-encoder``).
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
                                        [--batches 1 16 64] [--beam 4] [--cached 10 30] [--qkv-rows 1 4 16 24]
-                                       [--threads 1]
+                                       [--ffn 512] [--heads 4] [--layers 3] [--src-lens 10 25 50] [--threads 1]
 
 Microseconds are the best of 5 timed repeats; ratios are measured in the same run. Part 1 also checks that both
 kernels give the same numbers (largest difference printed) and is skipped, with a line, where this PyTorch build
@@ -17,14 +20,16 @@ or CPU has no oneDNN int8 kernel with AMX.
 """
 
 import argparse
+import copy
 import time
 import warnings
 
 import torch
 
 from bench_beam_rows import best_us as best_of_5_us
-from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize
+from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize, quantize_encoder
 from fairseq_ext.lean_decoder import fused_qkv_int8, reorder_cache
+from fairseq_ext.lean_encoder import lean_encoder
 
 
 def best_us(fn, budget_s: float = 0.05) -> float:
@@ -109,6 +114,40 @@ def int8_qkv(a):
             print(f"{R:>6} {t_three:>9.1f} {t_fused:>9.1f} {t_three / t_fused:>5.2f}x")
 
 
+def encoder_layers(a):
+    from fairseq.data import Dictionary
+    from fairseq.models.transformer import TransformerEncoder, base_architecture
+
+    print(f"4. encoder of {a.layers} layers (d {a.dim}, FFN {a.ffn}, {a.heads} heads), one source: fairseq's layers "
+          f"against lean_encoder")
+    args = argparse.Namespace(encoder_embed_dim=a.dim, encoder_ffn_embed_dim=a.ffn, encoder_attention_heads=a.heads,
+                              encoder_layers=a.layers, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    base_architecture(args)
+    d = Dictionary()
+    for i in range(a.vocab - len(d)):
+        d.add_symbol(f"w{i}")
+    torch.manual_seed(3)
+    plain = torch.nn.Module()
+    plain.encoder = TransformerEncoder(args, d, torch.nn.Embedding(len(d), a.dim, d.pad()))
+    plain.eval()
+    models = {"float": (plain, lean_encoder(copy.deepcopy(plain)))}
+    int8 = quantize_encoder(copy.deepcopy(plain))
+    models["int8"] = (int8, lean_encoder(copy.deepcopy(int8)))
+    print(f"{'tokens':>7} {'':>6} {'fairseq us':>11} {'lean us':>8} {'x':>6} {'max |diff|':>11}")
+    with torch.inference_mode():
+        for L in a.src_lens:
+            src = torch.randint(d.nspecial, len(d), (1, L))
+            src[0, -1] = d.eos()
+            lengths = torch.tensor([L])
+            for kind, (fairseq_model, lean_model) in models.items():
+                def run(m):
+                    return m.encoder(src, src_lengths=lengths)["encoder_out"][0]
+
+                diff = (run(fairseq_model) - run(lean_model)).abs().max().item()
+                t_fairseq, t_lean = best_us(lambda: run(fairseq_model)), best_us(lambda: run(lean_model))
+                print(f"{L:>7} {kind:>6} {t_fairseq:>11.1f} {t_lean:>8.1f} {t_fairseq / t_lean:>5.2f}x {diff:>11.2e}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=8000)
@@ -118,16 +157,25 @@ def main(argv=None):
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--cached", type=int, nargs="+", default=[10, 30])
     p.add_argument("--qkv-rows", type=int, nargs="+", default=[1, 4, 16, 24])
+    p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--src-lens", type=int, nargs="+", default=[10, 25, 50])
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    if min([a.vocab, a.dim, a.beam, a.threads] + a.rows + a.batches + a.cached + a.qkv_rows) < 1:
-        p.error("--vocab, --dim, --rows, --batches, --beam, --cached, --qkv-rows and --threads must be positive")
+    if min([a.vocab, a.dim, a.beam, a.threads, a.ffn, a.heads, a.layers] + a.rows + a.batches + a.cached
+           + a.qkv_rows + a.src_lens) < 1:
+        p.error("--vocab, --dim, --rows, --batches, --beam, --cached, --qkv-rows, --ffn, --heads, --layers, "
+                "--src-lens and --threads must be positive")
+    if a.dim % a.heads:
+        p.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
     torch.set_num_threads(a.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
         int8_rows(a)
         reorders(a)
         int8_qkv(a)
+        encoder_layers(a)
 
 
 if __name__ == "__main__":

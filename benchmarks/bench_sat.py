@@ -83,9 +83,11 @@ TARGETS = {"greedy": {2: 1.8, 4: 3.2, 6: 4.5}, "beam4": {2: 1.6, 4: 2.6, 6: 3.3}
 # set for --random-init --fixed-length 27)
 # --quantize / --float-opt choices -> the fairseq_ext.inference speed-ups they apply (apply_speedups names)
 INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder",
-                 "all-lean": "int8-decoder,int8-encoder,lean-decoder"}
+                 "all-lean": "int8-decoder,int8-encoder,lean-decoder,lean-encoder",
+                 "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder"}
 FLOAT_SPEEDUPS = {"prepack": "prepack", "attention": "fast-attention", "both": "fast-attention,prepack",
-                  "lean": "lean-decoder", "lean-prepack": "lean-decoder,prepack"}
+                  "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
+                  "lean-decoder": "lean-decoder"}
 CPU_TARGETS = {"greedy": {2: 1.5, 4: 2.7, 6: 3.4}, "beam4": {2: 1.8, 4: 3.0, 6: 3.6}}
 K1_VS_BASELINE_REV = 1.2  # ours K=1 against --baseline-rev's K=1 (issue 17)
 
@@ -122,13 +124,14 @@ def parse_args(argv=None):
                    help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); 'all-lean': 'all' with "
-                        "the lean incremental decoder step (fairseq_ext.lean_decoder); repeatable")
+                        "the lean incremental decoder step and encoder layers (fairseq_ext.lean_decoder, "
+                        "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; repeatable")
     p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
                    help="also measure our K=1 and SATs in float32 after fairseq_ext.inference.prepack_output "
                         "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
-                        "fused QKV, scaled_dot_product_attention, preallocated key/value cache), both, lean_decoder "
-                        "('lean': fairseq_ext.lean_decoder, a lean incremental decoder step) or lean and prepack "
-                        "('lean-prepack'); repeatable")
+                        "fused QKV, scaled_dot_product_attention, preallocated key/value cache), both, the lean "
+                        "decoder step and encoder layers ('lean': fairseq_ext.lean_decoder, lean_encoder), lean and "
+                        "prepack ('lean-prepack') or the lean decoder step alone ('lean-decoder'); repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")

@@ -121,7 +121,8 @@ def test_bench_beam_rows_runs_and_checks_top_b():
 
 def test_bench_kernels_runs_and_checks_both_kernels():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--vocab", "600",
-                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3", "--qkv-rows", "3"],
+                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3", "--qkv-rows", "3",
+                           "--ffn", "48", "--heads", "2", "--layers", "2", "--src-lens", "5"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -133,7 +134,11 @@ def test_bench_kernels_runs_and_checks_both_kernels():
     part3 = lines.index(next(x for x in lines if x.startswith("3. ")))
     rows = [x.split() for x in lines[part2 + 2: part3]]
     assert [(r[0], r[1]) for r in rows] == [("4", "3"), ("8", "3")]
-    assert [x.split()[0] for x in lines[part3 + 2:]] == ["3"]  # fused int8 q/k/v (checked equal in the script)
+    part4 = lines.index(next(x for x in lines if x.startswith("4. ")))
+    assert [x.split()[0] for x in lines[part3 + 2: part4]] == ["3"]  # fused int8 q/k/v (checked equal in the script)
+    rows = [x.split() for x in lines[part4 + 2:]]  # lean encoder: float32 gives fairseq's output, int8 close to it
+    assert [(r[0], r[1]) for r in rows] == [("5", "float"), ("5", "int8")]
+    assert float(rows[0][5]) < 1e-6 and float(rows[1][5]) < 0.1
 
 
 def _int8_pair(seed=0, out=700, dim=64):
