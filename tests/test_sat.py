@@ -237,6 +237,35 @@ def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen):
     assert len(lengths) > 1  # the comparison covers hypotheses of several lengths
 
 
+def test_group_beam_search_finds_the_reordering_modules_once_per_search(monkeypatch):
+    """fairseq's reorder asks every submodule on every call; the generator makes the same calls in the same order
+    with the modules found once per search (same hypotheses as fairseq's generator, see the test above), and again
+    for the next search (a module added in between is reordered too)."""
+    sat = sat_model(2)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=6)
+    sample = _sample(src, src_lengths)
+    walks, reorders = [], []
+    modules = type(sat.decoder).modules
+    monkeypatch.setattr(type(sat.decoder), "modules", lambda self: walks.append(self) or modules(self))
+    from fairseq.modules import MultiheadAttention
+    own = MultiheadAttention.reorder_incremental_state
+    monkeypatch.setattr(MultiheadAttention, "reorder_incremental_state",
+                        lambda self, *a: reorders.append(self) or own(self, *a))
+    gen = _gen([sat], beam_size=2, max_len_a=0, max_len_b=8, min_len=8)
+    gen.generate([sat], sample)
+    groups = gen.decoder_calls
+    attention_modules = [m for m in sat.decoder.modules() if isinstance(m, MultiheadAttention)]
+    walks.clear()
+    assert groups > 2 and len(reorders) == (groups - 1) * len(attention_modules)  # every module, every reorder
+    gen.generate([sat], sample)
+    assert len(walks) == 1
+    extra = MultiheadAttention(16, 2, self_attention=True)
+    sat.decoder.extra_attention = extra  # a new module: the next search finds it
+    reorders.clear()
+    gen.generate([sat], sample)
+    assert sum(m is extra for m in reorders) == groups - 1
+
+
 def _reference_search(model, src, src_lengths, beam, max_len, min_len=1, lenpen=1.0, unkpen=0.0):
     """Slow beam search with the semantics of fairseq's BeamSearch (2*beam candidates; EOS among the top
     beam finalises; the first beam non-EOS continue), scoring every candidate by a full forward pass of
