@@ -63,6 +63,15 @@ def _computes_what_fairseq_does(decoder) -> bool:
         TransformerDecoderBase.extract_features_scriptable, SATDecoder.extract_features_scriptable)
 
 
+def attention_refusal(att) -> Optional[str]:
+    """Why the lean code does not compute fairseq's ``MultiheadAttention`` ``att``, or None."""
+    if att.bias_k is not None or att.add_zero_attn:
+        return "bias_k / zero attention"
+    if not (att.qkv_same_dim and att.head_dim * att.num_heads == att.embed_dim):
+        return "keys and values of another size than the queries"
+    return None
+
+
 def _check(decoder):
     from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
@@ -82,11 +91,7 @@ def _check(decoder):
         elif getattr(layer, "encoder_attn", None) is None:
             why = "no encoder attention"
         else:
-            for att in (layer.self_attn, layer.encoder_attn):
-                if att.bias_k is not None or att.add_zero_attn:
-                    why = "bias_k / zero attention"
-                elif not (att.qkv_same_dim and att.head_dim * att.num_heads == att.embed_dim):
-                    why = "keys and values of another size than the queries"
+            why = attention_refusal(layer.self_attn) or attention_refusal(layer.encoder_attn)
         if why:
             raise FairseqExtError(f"lean_decoder: decoder layer {i} has {why}, which the lean step does not "
                                   f"compute; decode this model without lean-decoder")
@@ -171,6 +176,26 @@ def split_heads(x: Tensor, H: int) -> Tensor:  # [T, B, C] -> [B, H, T, d]
 def merge_heads(a: Tensor) -> Tensor:  # [B, H, T, d] -> [T, B, H * d]
     B, H, T, d = a.shape
     return a.permute(2, 0, 1, 3).reshape(T, B, H * d)
+
+
+def self_attention(att, h: Tensor, mask: Optional[Tensor], cache=None) -> Tensor:
+    """What fairseq's ``MultiheadAttention`` ``att`` returns for self-attention over h [T, B, C] outside training:
+    one q/k/v call (:func:`qkv`), the keys and values through ``cache(k, v)`` (the decoder's cache: the keys and
+    values of every position so far) when given, ``F.scaled_dot_product_attention`` with ``mask`` (True:
+    attend), the output projection."""
+    q, k, v = (split_heads(t, att.num_heads) for t in qkv(att, h))
+    if cache is not None:
+        k, v = cache(k, v)
+    return att.out_proj(merge_heads(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=att.scaling)))
+
+
+def feed_forward(layer, x: Tensor) -> Tensor:
+    """A fairseq transformer layer's feed-forward block outside training, with its residual and its layer norm
+    before or after (``normalize_before``)."""
+    nb = layer.normalize_before
+    h = layer.final_layer_norm(x) if nb else x
+    x = x + layer.fc2(layer.activation_fn(layer.fc1(h)))
+    return x if nb else layer.final_layer_norm(x)
 
 
 def append_to_cache(buf: Optional[Tensor], old: Optional[Tensor], new: Tensor, n: int, block: int):
@@ -295,14 +320,10 @@ class LeanIncrementalDecoding:
         for i, layer in enumerate(self.layers):
             nb = layer.normalize_before
             sa, ca = layer.self_attn, layer.encoder_attn
-            H = sa.num_heads
             # self-attention over the cache and the new positions
             residual = x
             h = layer.self_attn_layer_norm(x) if nb else x
-            q, k, v = (split_heads(t, H) for t in qkv(sa, h))
-            keys, values = self._lean_cache(state, i, k, v, n)
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=sa.scaling)
-            x = residual + sa.out_proj(merge_heads(a))
+            x = residual + self_attention(sa, h, mask, lambda k, v: self._lean_cache(state, i, k, v, n))
             if not nb:
                 x = layer.self_attn_layer_norm(x)
             # encoder-decoder attention: the source keys and values projected on the first step
@@ -326,12 +347,7 @@ class LeanIncrementalDecoding:
             x = residual + ca.out_proj(merge_heads(by_row(a, P)))
             if not nb:
                 x = layer.encoder_attn_layer_norm(x)
-            # feed-forward
-            residual = x
-            h = layer.final_layer_norm(x) if nb else x
-            x = residual + layer.fc2(layer.activation_fn(layer.fc1(h)))
-            if not nb:
-                x = layer.final_layer_norm(x)
+            x = feed_forward(layer, x)
             inner_states.append(x)
         if attn is not None:
             attn = attn.float().to(x)

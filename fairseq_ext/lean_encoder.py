@@ -7,10 +7,11 @@ projections (docs/sat_transformer.md, run K). With int8 projections fairseq's ``
 take PyTorch's fused path (it needs the float weights) and runs its own: three projections, two ``bmm`` and a
 softmax, and the padding mask filled in. Per layer this runs instead:
 
-* self-attention: the queries, keys and values from one projection call (:func:`fairseq_ext.lean_decoder.qkv`:
-  one float product or one int8 call whose outputs equal the three calls' bit for bit), then
+* self-attention (:func:`fairseq_ext.lean_decoder.self_attention`): the queries, keys and values from one
+  projection call (one float product or one int8 call whose outputs equal the three calls' bit for bit), then
   ``F.scaled_dot_product_attention`` with the source padding as its mask;
-* the feed-forward block; layer norms before or after each block as the model was trained.
+* the feed-forward block (:func:`fairseq_ext.lean_decoder.feed_forward`); layer norms before or after each
+  block as the model was trained.
 
 The encoder's own code is unchanged around the layers (embedding, padding, ``return_all_hiddens``, the final
 layer norm), so its output dictionary is fairseq's. Float32 gives fairseq's output (its fused path uses the
@@ -26,11 +27,10 @@ or values of another size than the queries.
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import merge_heads, qkv, split_heads
+from fairseq_ext.lean_decoder import attention_refusal, feed_forward, self_attention
 
 
 class LeanEncoderLayer:
@@ -41,25 +41,16 @@ class LeanEncoderLayer:
                 torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
             return super().forward(x, encoder_padding_mask, attn_mask)
         nb = self.normalize_before
-        sa = self.self_attn
         # self-attention (x: [T, B, C]); the mask is True where a key is a word, not padding
-        residual = x
-        h = self.self_attn_layer_norm(x) if nb else x
-        q, k, v = (split_heads(t, sa.num_heads) for t in qkv(sa, h))
         mask = None
         if encoder_padding_mask is not None:
             mask = ~encoder_padding_mask.to(torch.bool).view(x.size(1), 1, 1, x.size(0))
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=sa.scaling)
-        x = residual + sa.out_proj(merge_heads(a))
+        residual = x
+        h = self.self_attn_layer_norm(x) if nb else x
+        x = residual + self_attention(self.self_attn, h, mask)
         if not nb:
             x = self.self_attn_layer_norm(x)
-        # feed-forward
-        residual = x
-        h = self.final_layer_norm(x) if nb else x
-        x = residual + self.fc2(self.activation_fn(self.fc1(h)))
-        if not nb:
-            x = self.final_layer_norm(x)
-        return x
+        return feed_forward(self, x)
 
 
 def _check(encoder):
@@ -75,11 +66,7 @@ def _check(encoder):
                 and type(layer).forward in (TransformerEncoderLayerBase.forward, LeanEncoderLayer.forward)):
             why = f"its own layer code ({type(layer).__name__})"
         else:
-            att = layer.self_attn
-            if att.bias_k is not None or att.add_zero_attn:
-                why = "bias_k / zero attention"
-            elif not (att.qkv_same_dim and att.head_dim * att.num_heads == att.embed_dim):
-                why = "keys and values of another size than the queries"
+            why = attention_refusal(layer.self_attn)
         if why:
             raise FairseqExtError(f"lean_encoder: encoder layer {i} has {why}, which the lean layer does not "
                                   f"compute; decode this model without lean-encoder")

@@ -321,8 +321,15 @@ def test_lean_decoder_reorders_its_state_without_fairseqs_module_walk(monkeypatc
         assert len(calls) == walked_modules
         lean, lean_walked = state[lean_module.STATE_KEY], walked[lean_module.STATE_KEY]
         assert set(lean) == set(lean_walked)
+        n = lean["k0"].size(2)
         for name, value in lean.items():
-            assert (torch.equal(value, lean_walked[name]) if torch.is_tensor(value) else value == lean_walked[name]), name
+            other = lean_walked[name]
+            if not torch.is_tensor(value):
+                assert value == other, name
+                continue
+            if "buf" in name or "spare" in name:  # preallocated: only the n cached positions hold values
+                value, other = value[:, :, :n], other[:, :, :n]
+            assert torch.equal(value, other), name
         # a state written by fairseq's attention module: the walk reorders it too
         att = m.decoder.layers[0].self_attn
         held = torch.randn(4, att.num_heads, 3, att.head_dim)
