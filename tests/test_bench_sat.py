@@ -121,8 +121,8 @@ def test_bench_beam_rows_runs_and_checks_top_b():
 
 def test_bench_kernels_runs_and_checks_both_kernels():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--vocab", "600",
-                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3", "--qkv-rows", "3",
-                           "--ffn", "48", "--heads", "2", "--layers", "2", "--src-lens", "5"],
+                           "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3",
+                           "--qkv-rows", "3", "--ffn", "48", "--heads", "2", "--layers", "2", "--src-lens", "5"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()

@@ -437,14 +437,14 @@ def test_lean_decoder_refuses_what_it_does_not_compute():
         lean_decoder(msc_build()[0])
 
 
-# -- apply_speedups and --inference-speedups ------------------------------------------------------------------
 # -- lean_encoder ---------------------------------------------------------------------------------------------
 def _count_layer_code(monkeypatch):
     """Counts the calls of fairseq's own encoder-layer code (the lean layer's fallback)."""
     from fairseq.modules.transformer_layer import TransformerEncoderLayerBase
     calls = []
     own = TransformerEncoderLayerBase.forward
-    monkeypatch.setattr(TransformerEncoderLayerBase, "forward", lambda self, *a, **k: calls.append(self) or own(self, *a, **k))
+    monkeypatch.setattr(TransformerEncoderLayerBase, "forward",
+                        lambda self, *a, **k: calls.append(self) or own(self, *a, **k))
     return calls
 
 
@@ -500,6 +500,7 @@ def test_lean_encoder_with_int8_projections_and_refusals(monkeypatch):
         lean_encoder(torch.nn.Linear(2, 2))
 
 
+# -- apply_speedups and --inference-speedups ------------------------------------------------------------------
 def test_apply_speedups_by_name_once_each():
     m = apply_speedups(sat_model(2, seed=10), "prepack, fast-attention")
     assert isinstance(m.decoder.output_projection, PackedLinear)
@@ -515,8 +516,8 @@ def test_apply_speedups_by_name_once_each():
 @pytest.mark.slow
 def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups
-    fast-attention,prepack and lean-decoder,lean-encoder give the float model's translations (and int8-decoder translations with the meaning
-    kept); an unknown name stops it with one line naming the flag."""
+    fast-attention,prepack and lean-decoder,lean-encoder give the float model's translations (and int8-decoder
+    translations with the meaning kept); an unknown name stops it with one line naming the flag."""
     release_dir = os.path.join(ROOT, "releases", "bible-de-en")
     if "sat_transformer_k2" not in read_manifest(release_dir)["models"]:
         pytest.skip("no sat_transformer_k2 in releases/bible-de-en")
