@@ -269,7 +269,7 @@ class LeanIncrementalDecoding:
     def _lean_applies(self, prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
         if incremental_state is None or self.training or full_context_alignment:
             return False
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.layers[0].parameters()):
+        if needs_autograd(self.layers[0]):
             return False
         if alignment_layer is not None and alignment_layer != self.num_layers - 1:
             return False
@@ -425,7 +425,24 @@ class LeanIncrementalDecoding:
                     state[f"{name}{i}"] = state[f"{name}{i}"].index_select(0, index)
 
 
-_LEAN_CLASSES: Dict[type, type] = {}
+_LEAN_CLASSES: Dict[Tuple[type, type], type] = {}
+
+
+def mix_in(module, mixin: type) -> None:
+    """``module``'s class becomes a subclass of its own class with ``mixin`` first (made once per pair and kept;
+    parameters and state_dict unchanged); nothing when it already has the mixin. Used by :func:`lean_decoder` and
+    :func:`fairseq_ext.lean_encoder.lean_encoder`."""
+    cls = type(module)
+    if issubclass(cls, mixin):
+        return
+    if (mixin, cls) not in _LEAN_CLASSES:
+        _LEAN_CLASSES[mixin, cls] = type(f"Lean{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _LEAN_CLASSES[mixin, cls]
+
+
+def needs_autograd(module) -> bool:
+    """Whether a call of ``module`` now records gradients for its parameters (then the lean code steps aside)."""
+    return torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
 
 
 def lean_decoder(model):
@@ -438,9 +455,6 @@ def lean_decoder(model):
     if isinstance(decoder, LeanIncrementalDecoding):
         return model.eval()
     _check(decoder)
-    cls = type(decoder)
-    if cls not in _LEAN_CLASSES:
-        _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanIncrementalDecoding, cls), {})
-    decoder.__class__ = _LEAN_CLASSES[cls]
+    mix_in(decoder, LeanIncrementalDecoding)
     return model.eval()
 

@@ -30,15 +30,14 @@ import torch
 from torch import Tensor
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import attention_refusal, feed_forward, self_attention
+from fairseq_ext.lean_decoder import attention_refusal, feed_forward, mix_in, needs_autograd, self_attention
 
 
 class LeanEncoderLayer:
     """Mixed into an encoder layer's class by :func:`lean_encoder` (before the layer's own class)."""
 
     def forward(self, x, encoder_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor] = None):
-        if self.training or attn_mask is not None or getattr(self, "return_fc", False) or (
-                torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters())):
+        if self.training or attn_mask is not None or getattr(self, "return_fc", False) or needs_autograd(self):
             return super().forward(x, encoder_padding_mask, attn_mask)
         nb = self.normalize_before
         # self-attention (x: [T, B, C]); the mask is True where a key is a word, not padding
@@ -72,9 +71,6 @@ def _check(encoder):
                                   f"compute; decode this model without lean-encoder")
 
 
-_LEAN_CLASSES = {}
-
-
 def lean_encoder(model):
     """Every layer of ``model.encoder`` runs through :class:`LeanEncoderLayer` outside training (its class
     becomes a subclass of its own class with the mixin; parameters and state_dict unchanged); returns the model
@@ -84,10 +80,5 @@ def lean_encoder(model):
         raise FairseqExtError("lean_encoder: the model has no .encoder (give a fairseq encoder-decoder model)")
     _check(encoder)
     for layer in encoder.layers:
-        cls = type(layer)
-        if issubclass(cls, LeanEncoderLayer):
-            continue
-        if cls not in _LEAN_CLASSES:
-            _LEAN_CLASSES[cls] = type(f"Lean{cls.__name__}", (LeanEncoderLayer, cls), {})
-        layer.__class__ = _LEAN_CLASSES[cls]
+        mix_in(layer, LeanEncoderLayer)
     return model.eval()
