@@ -141,6 +141,23 @@ def test_bench_kernels_runs_and_checks_both_kernels():
     assert float(rows[0][5]) < 1e-6 and float(rows[1][5]) < 0.1
 
 
+def test_bench_beam_parts_runs_and_accounts_for_every_part():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_beam_parts.py"), "--tiny",
+                           "--sentences", "2", "--repeat", "1", "--length", "8",
+                           "--speedups", "int8-decoder,lean-decoder", "--profile", "4"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    calls = next(x for x in lines if x.startswith("decoder calls per sentence")).split()[-4:]
+    assert calls == ["9.0", "5.0", "3.0", "2.0"]  # ceil(9 / K) calls for 8 words + EOS
+    for label in ("decoder call", "group step", "reorder", "constraints", "the rest of the search"):
+        row = next(x for x in lines if x.startswith(label)).split()[-4:]
+        assert all(float(v) > 0 for v in row), label
+    assert any("the generator's _reorder" in x for x in lines)
+    top = lines.index(next(x for x in lines if x.startswith("operator self time per decoder call")))
+    assert len(lines[top + 1:]) == 12 and all(len(x.split()) >= 4 for x in lines[top + 1:])
+
+
 def _int8_pair(seed=0, out=700, dim=64):
     """PyTorch's dynamically quantised Linear and the same module as Int8RowsLinear."""
     torch.manual_seed(seed)
