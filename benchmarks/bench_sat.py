@@ -84,7 +84,9 @@ TARGETS = {"greedy": {2: 1.8, 4: 3.2, 6: 4.5}, "beam4": {2: 1.6, 4: 2.6, 6: 3.3}
 # --quantize / --float-opt choices -> the fairseq_ext.inference speed-ups they apply (apply_speedups names)
 INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder",
                  "all-lean": "int8-decoder,int8-encoder,lean-decoder,lean-encoder",
-                 "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder"}
+                 "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder",
+                 "amx": "amx-int8-decoder,amx-int8-encoder",
+                 "amx-lean": "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"}
 FLOAT_SPEEDUPS = {"prepack": "prepack", "attention": "fast-attention", "both": "fast-attention,prepack",
                   "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
                   "lean-decoder": "lean-decoder"}
@@ -125,7 +127,10 @@ def parse_args(argv=None):
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); 'all-lean': 'all' with "
                         "the lean incremental decoder step and encoder layers (fairseq_ext.lean_decoder, "
-                        "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; repeatable")
+                        "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; 'amx': every "
+                        "decoder and encoder nn.Linear on AMX int8 tiles (fairseq_ext.amx_int8; skipped with a note "
+                        "where the CPU lacks AMX); 'amx-lean': 'amx' with the lean decoder step and encoder layers; "
+                        "repeatable")
     p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
                    help="also measure our K=1 and SATs in float32 after fairseq_ext.inference.prepack_output "
                         "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
@@ -277,6 +282,7 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
+    from fairseq_ext import amx_int8
     from fairseq_ext.inference import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
@@ -368,6 +374,9 @@ def main(argv=None):
     variants = [(f"int8 {layers}", INT8_SPEEDUPS[layers]) for layers in args.quantize]
     variants += [(f"float {opt}", FLOAT_SPEEDUPS[opt]) for opt in args.float_opt]
     for family, speedups in variants:
+        if "amx-int8" in speedups and amx_int8.refusal():
+            print(f"skipped [{family}]: {amx_int8.refusal()}", flush=True)
+            continue
         for c in float_ours:
             m = apply_speedups(copy.deepcopy(c.model), speedups)
             cs.append(Contender(f"{c.name} [{family}]", c.K, family, variant=family, model=m, make_gen=ours(m), of=c))
@@ -592,7 +601,7 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
     ct2_int8 = results.get("CTranslate2 int8 (transformer)")
     if ct2_int8:
         for c in cs:
-            if c.name.startswith("ours SAT K=4") and c.family in ("", "int8 output", "int8 decoder", "int8 all"):
+            if c.name.startswith("ours SAT K=4") and "(6+1)" not in c.name:  # the 3+3 SAT, every family
                 ratio = results[c.name]["greedy_b1_ms"] / ct2_int8["greedy_b1_ms"]
                 checks[f"{c.name} greedy / CTranslate2 int8"] = ratio
                 print(f"stretch: {c.name} greedy batch 1 at or below CTranslate2 int8 (same-size transformer): "

@@ -27,6 +27,10 @@ decoder step by a lean one (the same products without fairseq's per-call bookkee
 applies any of them by name; ``fairseq-generate --task translation_sat --inference-speedups
 fast-attention,prepack`` (or ``lean-decoder,lean-encoder,prepack``) does it from the command line.
 
+:func:`amx_quantize_decoder` / :func:`amx_quantize_encoder` (``amx-int8-decoder`` / ``amx-int8-encoder``) run
+every ``nn.Linear`` through int8 products on AMX tiles where the CPU has them (:mod:`fairseq_ext.amx_int8`: one
+scale per weight row and per input row; up to 16 rows cost what one row costs).
+
 For inference: the model changes in place and its outputs change a little (int8 rounding of the weights),
 so hypotheses can differ from the float model's; the benchmark reports BLEU (trained models) or agreement
 with the float hypotheses. Training and saving checkpoints need the float model (quantised modules hold
@@ -41,6 +45,7 @@ import weakref
 import torch
 from fairseq.modules import MultiheadAttention
 
+from fairseq_ext import amx_int8
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, int8_weight_rows, lean_decoder,
                                      merge_heads, qkv, split_heads)
@@ -211,6 +216,32 @@ def quantize_encoder(model):
     return model
 
 
+def amx_quantize_decoder(model):
+    """Every ``nn.Linear`` of ``model.decoder`` (the softmax projection too) as an int8 layer on AMX tiles
+    (:class:`fairseq_ext.amx_int8.AmxInt8Linear`), in place; returns the model in eval mode. Refused with one line
+    where the CPU, the OS or the compiler cannot run the kernel."""
+    decoder = getattr(model, "decoder", None)
+    if decoder is None:
+        raise FairseqExtError("amx_quantize_decoder: the model has no .decoder (give a fairseq encoder-decoder model)")
+    model.eval()
+    _unfuse_attention(decoder)
+    if not amx_int8.replace_linears(decoder, "amx-int8-decoder"):
+        raise FairseqExtError("amx-int8-decoder: the decoder has no nn.Linear to quantise")
+    return model
+
+
+def amx_quantize_encoder(model):
+    """Every ``nn.Linear`` of ``model.encoder`` as an int8 layer on AMX tiles, in place; returns the model."""
+    encoder = getattr(model, "encoder", None)
+    if encoder is None:
+        raise FairseqExtError("amx_quantize_encoder: the model has no .encoder (give a fairseq encoder-decoder model)")
+    model.eval()
+    _unfuse_attention(encoder)
+    if not amx_int8.replace_linears(encoder, "amx-int8-encoder"):
+        raise FairseqExtError("amx-int8-encoder: the encoder has no nn.Linear to quantise")
+    return model
+
+
 def _check_engine(name):
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines and "x86" not in engines:
@@ -353,6 +384,8 @@ SPEEDUPS = {  # name -> function(model); applied in this order
     "int8-output": lambda m: quantize_decoder(m, layers="output"),
     "int8-decoder": lambda m: quantize_decoder(m, layers="decoder"),
     "int8-encoder": quantize_encoder,
+    "amx-int8-decoder": amx_quantize_decoder,
+    "amx-int8-encoder": amx_quantize_encoder,
     "fast-attention": fast_attention,
     "prepack": prepack_output,
     "lean-decoder": lean_decoder,
@@ -367,9 +400,12 @@ def apply_speedups(model, names: str, flag: str = "speedups"):
     unknown = [n for n in wanted if n not in SPEEDUPS]
     if unknown:
         raise FairseqExtError(f"{flag}: unknown speed-up {unknown[0]!r}; choose from {', '.join(SPEEDUPS)}")
-    clash = [n for n in ("int8-output", "int8-decoder") if n in wanted]
-    if clash and "prepack" in wanted:
-        raise FairseqExtError(f"{flag}: {clash[0]} and prepack both replace the softmax projection; keep one")
+    for what, group in (("the softmax projection", ("int8-decoder", "int8-output", "amx-int8-decoder", "prepack")),
+                        ("the encoder's projections", ("int8-encoder", "amx-int8-encoder"))):
+        # int8-decoder quantises int8-output's layer too: that pair is allowed
+        clash = [n for n in group if n in wanted and not (n == "int8-output" and "int8-decoder" in wanted)]
+        if len(clash) > 1:
+            raise FairseqExtError(f"{flag}: {clash[0]} and {clash[1]} both replace {what}; keep one")
     done = getattr(model, "_fairseq_ext_speedups", set())
     for name in SPEEDUPS:  # the order of SPEEDUPS: int8 first
         if name in wanted and name not in done:

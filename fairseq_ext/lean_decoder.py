@@ -43,6 +43,7 @@ with warnings.catch_warnings():  # torch.ao announces its move to torchao
     warnings.simplefilter("ignore")
     from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantizedLinear
 
+from fairseq_ext.amx_int8 import AmxInt8Linear
 from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 from fairseq_ext.errors import FairseqExtError
 
@@ -156,13 +157,25 @@ def fused_qkv_int8(att):
     return cached[1]
 
 
+def fused_qkv_amx(att):
+    """The three projections of ``att`` as one :class:`~fairseq_ext.amx_int8.AmxInt8Linear` when all three are
+    (outputs bit for bit those of the three calls); re-made when one is replaced; None otherwise."""
+    ws = (att.q_proj, att.k_proj, att.v_proj)
+    if not all(isinstance(m, AmxInt8Linear) for m in ws):
+        return None
+    cached = getattr(att, "_fused_qkv_amx", None)
+    if cached is None or any(a is not b for a, b in zip(cached[0], ws)):
+        att._fused_qkv_amx = cached = (ws, AmxInt8Linear.stacked(list(ws)))  # a tuple: not a submodule
+    return cached[1]
+
+
 def qkv(att, x: Tensor):
-    """Queries, keys and values of x [T, B, C] through ``att``'s projections: fused when :func:`fused_qkv` (float)
-    or :func:`fused_qkv_int8` can, else one by one."""
+    """Queries, keys and values of x [T, B, C] through ``att``'s projections: fused when :func:`fused_qkv` (float),
+    :func:`fused_qkv_int8` or :func:`fused_qkv_amx` can, else one by one."""
     fused = fused_qkv(att)
     if fused is not None:
         return F.linear(x, fused[0], fused[1]).chunk(3, dim=-1)
-    fused8 = fused_qkv_int8(att)
+    fused8 = fused_qkv_int8(att) or fused_qkv_amx(att)
     if fused8 is not None:
         return fused8(x).chunk(3, dim=-1)
     return att.q_proj(x), att.k_proj(x), att.v_proj(x)

@@ -34,8 +34,9 @@ class TranslationSATConfig(TranslationConfig):
         metadata={"help": "comma-separated CPU decoding speed-ups applied to the loaded models (fairseq_ext."
                           "inference): fast-attention, prepack, lean-decoder and lean-encoder keep float32 "
                           "(sums reordered, ~1e-6); int8-output, int8-decoder, int8-encoder quantise the softmax "
-                          "projection / every decoder / every encoder nn.Linear (outputs change a little). Inference "
-                          "only."})
+                          "projection / every decoder / every encoder nn.Linear (outputs change a little); "
+                          "amx-int8-decoder, amx-int8-encoder do the same with int8 products on AMX tiles (CPUs with "
+                          "AMX; fairseq_ext/amx_int8.py). Inference only."})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
