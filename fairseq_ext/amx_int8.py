@@ -25,8 +25,9 @@ encoder use.
 
 Inference only: the layers hold int8 copies, not parameters (``state_dict`` omits them; train and save the
 float model), take float32 inputs on the CPU, and refuse autograd with one line. The kernel runs on the calling
-thread (batched decoding does not spread one product over several threads). Where the CPU, the operating
-system or the compiler cannot run it, the flags are refused with one line that says why; ``int8-decoder`` /
+thread, except calls of :data:`THREADED_WORK` multiply-adds or more (batched decoding), whose outputs are split
+over ``torch.get_num_threads()`` threads (the same numbers). Where the CPU, the operating system or the compiler
+cannot run it, the flags are refused with one line that says why; ``int8-decoder`` /
 ``int8-encoder`` then remain. ``FAIRSEQ_EXT_CACHE`` (default ``~/.cache/fairseq_ext``) holds the built
 library; ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
 """
@@ -47,7 +48,10 @@ from fairseq_ext.errors import FairseqExtError
 
 SOURCE = Path(__file__).with_name("native") / "amx_int8.c"
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mamx-tile", "-mamx-int8", "-shared",
-          "-fPIC"]
+          "-fPIC", "-pthread"]
+# calls of at least this many multiply-adds (rows x outputs x inputs; e.g. 128 rows of an 8,000 x 256 softmax
+# projection) split their outputs over torch.get_num_threads() threads; a new thread costs ~0.1 ms here
+THREADED_WORK = 1 << 28
 CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 _lib = None  # the loaded kernel library
@@ -183,7 +187,8 @@ class AmxInt8Linear(torch.nn.Module):
         M = x.numel() // K
         out = torch.empty(x.shape[:-1] + (N,))  # no reshape or view: each costs microseconds per call
         if M and _lib.fx_amx_linear(x.data_ptr(), M, K, self.packed.data_ptr(), self.weight_scale.data_ptr(),
-                                    0 if self.bias is None else self.bias.data_ptr(), N, out.data_ptr(), N):
+                                    0 if self.bias is None else self.bias.data_ptr(), N, out.data_ptr(),
+                                    torch.get_num_threads() if M * N * K >= THREADED_WORK else 1):
             raise MemoryError(f"AmxInt8Linear: no memory for {M} x {K} quantised inputs")
         return out
 

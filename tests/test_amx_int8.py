@@ -83,6 +83,15 @@ def test_amx_linear_shapes_strides_special_rows_and_stacking():
         t = torch.randn(96, 7, generator=g)  # a non-contiguous input
         assert torch.equal(layer(t.t()), layer(t.t().contiguous()))
         assert layer(torch.empty(0, 96)).shape == (0, 40)
+        # many rows: the outputs split over threads, the same numbers
+        big = AmxInt8Linear.from_linear(torch.nn.Linear(96, 300))
+        rows = torch.randn(amx_int8.THREADED_WORK // (96 * 300) + 5, 96, generator=g)
+        one = big(rows)
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(big(rows), one) and torch.equal(big(rows[:3]), one[:3])
+        finally:
+            torch.set_num_threads(1)
         # stacked modules: the outputs side by side, bit for bit
         parts = [AmxInt8Linear.from_linear(torch.nn.Linear(96, n)) for n in (40, 17, 64)]
         parts[1].bias = None

@@ -7,6 +7,7 @@
  * qx: each input row quantised on the fly to int8 with its own symmetric scale sx[m] = max|x[m, :]| / 127. */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,7 +101,7 @@ static __thread size_t qcap;
 /* x: float32 [M, K] row-major; wp: fx_amx_pack's layout; sw, bias (or NULL): [N]; out: float32 [M, N] with rows
  * ldo apart (a slice of N outputs, from a multiple of 32, is wp + n0 * Kp, sw + n0, bias + n0, out + n0).
  * Returns 0, or -1 when the input buffer cannot be allocated. */
-int fx_amx_linear(const float *x, int M, int K, const int8_t *wp, const float *sw, const float *bias, int N,
+static int linear(const float *x, int M, int K, const int8_t *wp, const float *sw, const float *bias, int N,
                   float *out, int ldo) {
     if (M <= 0) return 0;
     int Kp = round_up(K, 64), blocks = (M + 15) / 16, mb = (M + blocks - 1) / blocks, Mp = blocks * mb;
@@ -142,4 +143,45 @@ int fx_amx_linear(const float *x, int M, int K, const int8_t *wp, const float *s
     block_rows(qbuf, M, mb, Kp, wp, sw, bias, N, sx, out, ldo);
     _tile_release();
     return 0;
+}
+
+typedef struct {
+    const float *x, *sw, *bias;
+    const int8_t *wp;
+    float *out;
+    int M, K, N, ldo, rc;
+} slice_args;
+
+static void *run_slice(void *p) {
+    slice_args *a = p;
+    a->rc = linear(a->x, a->M, a->K, a->wp, a->sw, a->bias, a->N, a->out, a->ldo);
+    return NULL;
+}
+
+/* linear() with the outputs split over `threads` threads (the caller's and threads - 1 new ones), in slices of
+ * whole 32-output blocks; each thread quantises the inputs itself. Returns 0, or -1 (no memory). */
+int fx_amx_linear(const float *x, int M, int K, const int8_t *wp, const float *sw, const float *bias, int N,
+                  float *out, int threads) {
+    int blocks = round_up(N, 32) / 32, Kp = round_up(K, 64);
+    if (threads > blocks) threads = blocks;
+    if (threads > 64) threads = 64;
+    if (threads <= 1) return linear(x, M, K, wp, sw, bias, N, out, N);
+    slice_args args[64];
+    pthread_t tid[64];
+    int started[64] = {0};
+    for (int t = 0; t < threads; t++) {
+        int n0 = blocks * t / threads * 32, n1 = blocks * (t + 1) / threads * 32;
+        if (n1 > N) n1 = N;
+        args[t] = (slice_args){x, sw + n0, bias ? bias + n0 : NULL, wp + (size_t)n0 * Kp, out + n0, M, K, n1 - n0, N, 0};
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run_slice, &args[t]) == 0;
+    }
+    for (int t = 1; t < threads; t++)
+        if (!started[t]) run_slice(&args[t]); /* no new thread: this one does it */
+    run_slice(&args[0]);
+    int rc = args[0].rc;
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        rc |= args[t].rc;
+    }
+    return rc;
 }
