@@ -29,7 +29,8 @@ thread, except calls of :data:`THREADED_WORK` multiply-adds or more (batched dec
 over ``torch.get_num_threads()`` threads (the same numbers). Where the CPU, the operating system or the compiler
 cannot run it, the flags are refused with one line that says why; ``int8-decoder`` /
 ``int8-encoder`` then remain. ``FAIRSEQ_EXT_CACHE`` (default ``~/.cache/fairseq_ext``) holds the built
-library; ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
+library, named by a hash of the source and the flags and loaded as it is found there: keep that directory
+writable by you alone. ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
 """
 
 import ctypes

@@ -175,7 +175,9 @@ def qkv(att, x: Tensor):
     fused = fused_qkv(att)
     if fused is not None:
         return F.linear(x, fused[0], fused[1]).chunk(3, dim=-1)
-    fused8 = fused_qkv_int8(att) or fused_qkv_amx(att)
+    fused8 = fused_qkv_int8(att)
+    if fused8 is None:
+        fused8 = fused_qkv_amx(att)
     if fused8 is not None:
         return fused8(x).chunk(3, dim=-1)
     return att.q_proj(x), att.k_proj(x), att.v_proj(x)
