@@ -108,7 +108,7 @@ static int linear(const float *x, int M, int K, const int8_t *wp, const float *s
     size_t need = (size_t)Mp * Kp + (size_t)M * sizeof(float);
     if (need > qcap) {
         free(qbuf);
-        qbuf = aligned_alloc(64, round_up((int)need, 64));
+        qbuf = aligned_alloc(64, (need + 63) / 64 * 64);
         qcap = qbuf ? need : 0;
         if (!qbuf) return -1;
     }
