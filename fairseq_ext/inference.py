@@ -220,25 +220,22 @@ def amx_quantize_decoder(model):
     """Every ``nn.Linear`` of ``model.decoder`` (the softmax projection too) as an int8 layer on AMX tiles
     (:class:`fairseq_ext.amx_int8.AmxInt8Linear`), in place; returns the model in eval mode. Refused with one line
     where the CPU, the OS or the compiler cannot run the kernel."""
-    decoder = getattr(model, "decoder", None)
-    if decoder is None:
-        raise FairseqExtError("amx_quantize_decoder: the model has no .decoder (give a fairseq encoder-decoder model)")
-    model.eval()
-    _unfuse_attention(decoder)
-    if not amx_int8.replace_linears(decoder, "amx-int8-decoder"):
-        raise FairseqExtError("amx-int8-decoder: the decoder has no nn.Linear to quantise")
-    return model
+    return _amx_quantize(model, "decoder")
 
 
 def amx_quantize_encoder(model):
     """Every ``nn.Linear`` of ``model.encoder`` as an int8 layer on AMX tiles, in place; returns the model."""
-    encoder = getattr(model, "encoder", None)
-    if encoder is None:
-        raise FairseqExtError("amx_quantize_encoder: the model has no .encoder (give a fairseq encoder-decoder model)")
+    return _amx_quantize(model, "encoder")
+
+
+def _amx_quantize(model, part):
+    module = getattr(model, part, None)
+    if module is None:
+        raise FairseqExtError(f"amx_quantize_{part}: the model has no .{part} (give a fairseq encoder-decoder model)")
     model.eval()
-    _unfuse_attention(encoder)
-    if not amx_int8.replace_linears(encoder, "amx-int8-encoder"):
-        raise FairseqExtError("amx-int8-encoder: the encoder has no nn.Linear to quantise")
+    _unfuse_attention(module)
+    if not amx_int8.replace_linears(module, f"amx-int8-{part}"):
+        raise FairseqExtError(f"amx-int8-{part}: the {part} has no nn.Linear to quantise")
     return model
 
 
