@@ -36,6 +36,7 @@ writable by you alone. ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -78,7 +79,8 @@ def _build() -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise FairseqExtError("no C compiler found (set CC or install gcc >= 11)")
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc] + CFLAGS).encode()).hexdigest()[:16]
+    command = shlex.split(cc)  # CC may carry a wrapper or flags ("ccache gcc")
+    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(command + CFLAGS).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("FAIRSEQ_EXT_CACHE") or Path.home() / ".cache" / "fairseq_ext")
     lib = cache / f"amx_int8-{tag}.so"
     if lib.exists():
@@ -90,7 +92,10 @@ def _build() -> Path:
     except OSError as e:
         raise FairseqExtError(f"cannot write the built kernel to {cache} ({e}); set FAIRSEQ_EXT_CACHE")
     try:
-        run = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        try:
+            run = subprocess.run([*command, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        except OSError as e:
+            raise FairseqExtError(f"cannot run the C compiler {cc!r} ({e}); set CC")
         if run.returncode != 0:
             first = next((line for line in run.stderr.splitlines() if "error" in line), run.stderr.strip()[:200])
             raise FairseqExtError(f"{cc} could not build {SOURCE.name} (AMX intrinsics need gcc >= 11 or "

@@ -141,6 +141,10 @@ def test_amx_flags_are_refused_with_one_line_where_the_kernel_cannot_run(monkeyp
                                               "build amx_int8.c .*: amx_int8.c:1: error: unknown option"):
         apply_speedups(sat_model(2), "amx-int8-encoder")
     assert list(tmp_path.iterdir()) == [fake]
+    monkeypatch.setattr(amx_int8, "_refusal", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # a compiler that is not there
+    with pytest.raises(FairseqExtError, match="cannot run the C compiler .*no-such-cc.*; set CC"):
+        apply_speedups(sat_model(2), "amx-int8-decoder")
 
 
 @needs_amx
