@@ -161,6 +161,9 @@ class AmxInt8Linear(torch.nn.Module):
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear) -> "AmxInt8Linear":
+        if linear.weight.device.type != "cpu":
+            raise FairseqExtError(f"amx-int8 layers run on the CPU; this model is on {linear.weight.device.type} "
+                                  f"(load it on the CPU, or decode without amx-int8-*)")
         with torch.no_grad():
             w = linear.weight.detach().to(torch.float32)
             scale = w.abs().amax(dim=1) / 127  # Sw[n]

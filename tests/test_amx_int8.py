@@ -109,6 +109,8 @@ def test_amx_linear_refuses_what_it_does_not_compute():
         layer(torch.randn(2, 8, requires_grad=True))
     with pytest.raises(FairseqExtError, match="input of 9 features, the layer takes 8"):
         layer(torch.randn(2, 9))
+    with pytest.raises(FairseqExtError, match="amx-int8 layers run on the CPU; this model is on meta"):
+        AmxInt8Linear.from_linear(torch.nn.Linear(8, 4, device="meta"))
     m = apply_speedups(sat_model(2, seed=3), AMX)
     assert not any(isinstance(p, torch.Tensor) and p.dtype == torch.int8 for p in m.state_dict().values())
     assert sum(isinstance(x, AmxInt8Linear) for x in m.modules()) > 0
