@@ -29,8 +29,8 @@ thread, except calls of :data:`THREADED_WORK` multiply-adds or more (batched dec
 over ``torch.get_num_threads()`` threads (the same numbers). Where the CPU, the operating system or the compiler
 cannot run it, the flags are refused with one line that says why; ``int8-decoder`` /
 ``int8-encoder`` then remain. ``FAIRSEQ_EXT_CACHE`` (default ``~/.cache/fairseq_ext``) holds the built
-library, named by a hash of the source and the flags and loaded as it is found there: keep that directory
-writable by you alone. ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
+library, named by a hash of the source and the flags and loaded as it is found there, so a directory that
+another user owns or that group or others can write is refused. ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
 """
 
 import ctypes
@@ -81,12 +81,25 @@ def _build() -> Path:
         raise FairseqExtError("no C compiler found (set CC or install gcc >= 11)")
     command = shlex.split(cc)  # CC may carry a wrapper or flags ("ccache gcc")
     tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(command + CFLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("FAIRSEQ_EXT_CACHE") or Path.home() / ".cache" / "fairseq_ext")
+    cache = os.environ.get("FAIRSEQ_EXT_CACHE")
+    if not cache:
+        try:
+            cache = Path.home() / ".cache" / "fairseq_ext"
+        except RuntimeError:  # no home directory (some CI and container users)
+            cache = Path(tempfile.gettempdir()) / f"fairseq_ext-{os.getuid()}"
+    cache = Path(cache)
     lib = cache / f"amx_int8-{tag}.so"
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = cache.stat()
+    except OSError as e:
+        raise FairseqExtError(f"cannot write the built kernel to {cache} ({e}); set FAIRSEQ_EXT_CACHE")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # a library found there is loaded: nobody else may write
+        raise FairseqExtError(f"{cache} is not a directory of this user's alone (owner or group/other write); "
+                              f"set FAIRSEQ_EXT_CACHE to one")
     if lib.exists():
         return lib
     try:
-        cache.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
     except OSError as e:

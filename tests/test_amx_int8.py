@@ -159,6 +159,12 @@ def test_amx_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
     stamp = lib.stat().st_mtime_ns
     assert amx_int8._build() == lib and lib.stat().st_mtime_ns == stamp  # cached: not built again
     assert amx_int8.kernel() is not None and amx_int8.refusal() is None
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # others could put a library there: refused, nothing loaded
+    monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(shared))
+    with pytest.raises(FairseqExtError, match="shared is not a directory of this user's alone"):
+        amx_int8._build()
 
 
 def _amx_pair(K, seed, lean=True, **kw):
