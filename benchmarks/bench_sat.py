@@ -16,9 +16,10 @@ contender in turn, in a rotating random order) so that the load of the machine a
   the 3+3 model (an encoder layer is 2/3 of a decoder layer), with our K=1 and CTranslate2 int8; (d) the SAT
   with that shallow decoder (6+1) for every K;
 * ours SAT K=2/4/6 (3+3);
-* with ``--quantize output|decoder|all`` (opt-in, repeatable): our K=1 and SATs after
+* with ``--quantize output|decoder|all|...`` (opt-in, repeatable): our K=1 and SATs after
   :func:`fairseq_ext.inference.quantize_decoder` (int8 softmax projection / every decoder nn.Linear; 'all':
-  and :func:`~fairseq_ext.inference.quantize_encoder`), with
+  and :func:`~fairseq_ext.inference.quantize_encoder`; 'amx', 'amx-lean': int8 on AMX tiles,
+  :mod:`fairseq_ext.amx_int8`, skipped with a note without AMX; see --help), with
   their agreement with the float hypotheses (and BLEU with trained models);
 * with ``--baseline-rev REV``: our K=1 with ``fairseq_ext/sat/generator.py`` as committed at REV (git), to
   measure what the generator's own changes give (the models are the same).
