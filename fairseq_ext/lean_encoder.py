@@ -60,7 +60,6 @@ def _check(encoder):
         raise FairseqExtError(f"lean_encoder: {type(encoder).__name__} has no transformer layers; "
                               f"decode it without lean-encoder")
     for i, layer in enumerate(layers):
-        why = None
         if not (isinstance(layer, TransformerEncoderLayerBase)
                 and type(layer).forward in (TransformerEncoderLayerBase.forward, LeanEncoderLayer.forward)):
             why = f"its own layer code ({type(layer).__name__})"
