@@ -73,13 +73,14 @@ def attention_refusal(att) -> Optional[str]:
     return None
 
 
-def _check(decoder):
+def lean_refusal(decoder) -> Optional[str]:
+    """Why the lean step does not compute ``decoder``'s step exactly (one line naming it), or None."""
     from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
     layers = list(getattr(decoder, "layers", []))
     if not layers or not _computes_what_fairseq_does(decoder):
-        raise FairseqExtError(f"lean_decoder: {type(decoder).__name__} is not fairseq's transformer decoder (or the "
-                              f"SAT decoder); its own step is not the lean one: decode it without lean-decoder")
+        return (f"lean_decoder: {type(decoder).__name__} is not fairseq's transformer decoder (or the SAT decoder); "
+                f"its own step is not the lean one: decode it without lean-decoder")
     for i, layer in enumerate(layers):
         why = None
         if not (isinstance(layer, TransformerDecoderLayerBase)
@@ -94,10 +95,34 @@ def _check(decoder):
         else:
             why = attention_refusal(layer.self_attn) or attention_refusal(layer.encoder_attn)
         if why:
-            raise FairseqExtError(f"lean_decoder: decoder layer {i} has {why}, which the lean step does not "
-                                  f"compute; decode this model without lean-decoder")
+            return (f"lean_decoder: decoder layer {i} has {why}, which the lean step does not compute; decode this "
+                    f"model without lean-decoder")
     if getattr(decoder, "adaptive_softmax", None) is not None:
-        raise FairseqExtError("lean_decoder: the decoder has an adaptive softmax; decode it without lean-decoder")
+        return "lean_decoder: the decoder has an adaptive softmax; decode it without lean-decoder"
+    return None
+
+
+def lean_by_default(decoder) -> bool:
+    """Whether the SAT generator decodes ``decoder`` through the lean step unless asked not to
+    (``--no-lean-step``): a decoder the step computes exactly (:func:`lean_refusal`), in float32 on the CPU (the
+    step was written and measured there), whose attention modules are fairseq's own (``fast-attention`` gives
+    them another path, which the user asked for)."""
+    from fairseq.modules import MultiheadAttention
+
+    embed = getattr(decoder, "embed_tokens", None)
+    weight = getattr(embed, "weight", None)
+    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return False
+    if any(isinstance(m, MultiheadAttention) and type(m).forward is not MultiheadAttention.forward
+           for m in decoder.modules()):
+        return False
+    return lean_refusal(decoder) is None
+
+
+def _check(decoder):
+    why = lean_refusal(decoder)
+    if why:
+        raise FairseqExtError(why)
 
 
 def fused_qkv(att):
@@ -277,167 +302,192 @@ def reorder_cache(buf: Tensor, spare: Optional[Tensor], order: Tensor, n: int) -
     return spare, buf
 
 
+def lean_applies(decoder, prev_output_tokens: Tensor, incremental_state, full_context_alignment: bool = False,
+                 alignment_layer: Optional[int] = None) -> bool:
+    """Whether this call of ``decoder`` (an incremental step) is one the lean step computes: outside training
+    and autograd, the alignment layer (if asked for) the last, a state the lean step began (or none yet), and
+    new positions that are whole groups of the decoder's K."""
+    if incremental_state is None or decoder.training or full_context_alignment:
+        return False
+    if needs_autograd(decoder.layers[0]):
+        return False
+    if alignment_layer is not None and alignment_layer != decoder.num_layers - 1:
+        return False
+    state = incremental_state.get(STATE_KEY)
+    if state is None and cached_length(decoder, incremental_state) > 0:
+        return False  # a state that fairseq's path began (e.g. before lean_decoder was applied)
+    n = 0 if state is None or state.get("k0") is None else state["k0"].size(2)
+    new = prev_output_tokens.size(1) - n
+    K = int(getattr(decoder, "group_size", 1))
+    return new > 0 and new % K == 0
+
+
+def lean_step(decoder, prev_output_tokens: Tensor, encoder_out, incremental_state,
+              alignment_heads: Optional[int] = None):
+    """The features of the uncached positions of ``prev_output_tokens`` and fairseq's extra dictionary, as the
+    decoder's ``extract_features`` returns them, computed by the lean step (for a call :func:`lean_applies`
+    accepts; the decoder's class is not changed)."""
+    state: Dict[str, Optional[Tensor]] = incremental_state.setdefault(STATE_KEY, {})
+    bsz, slen = prev_output_tokens.size()
+    n = 0 if state.get("k0") is None else state["k0"].size(2)
+    T = slen - n
+    K = int(getattr(decoder, "group_size", 1))
+    positions = None if decoder.embed_positions is None else new_positions(decoder, prev_output_tokens, n)
+    x = embed_decoder_input(decoder, prev_output_tokens[:, n:], positions)
+    mask: Optional[Tensor] = None
+    if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
+        from fairseq_ext.sat.model import relaxed_causal_mask
+        mask = relaxed_causal_mask(n, slen, K, x)
+
+    enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
+    if enc is None:
+        raise FairseqExtError("lean_decoder: the decoder was called without an encoder output")
+    if "cross_mask" not in state:  # first step: the source's padding as an attention mask (True: attend)
+        pads = encoder_out.get("encoder_padding_mask") or []
+        pad = pads[0] if len(pads) > 0 else None
+        state["cross_mask"] = None if pad is None or not bool(pad.any()) else \
+            (~pad.to(torch.bool)).view(pad.size(0), 1, 1, pad.size(1))
+    cross_mask = state["cross_mask"]
+    P = int(state.get("cross_rows", 1))  # rows per source: row r reads source r // P (see the reorder)
+
+    attn: Optional[Tensor] = None
+    inner_states: List[Optional[Tensor]] = [x]
+    last = decoder.num_layers - 1
+    for i, layer in enumerate(decoder.layers):
+        nb = layer.normalize_before
+        sa, ca = layer.self_attn, layer.encoder_attn
+        # self-attention over the cache and the new positions
+        residual = x
+        h = layer.self_attn_layer_norm(x) if nb else x
+        x = residual + self_attention(sa, h, mask, lambda k, v: _lean_cache(state, i, k, v, n))
+        if not nb:
+            x = layer.self_attn_layer_norm(x)
+        # encoder-decoder attention: the source keys and values projected on the first step
+        residual = x
+        h = layer.encoder_attn_layer_norm(x) if nb else x
+        ck, cv = state.get(f"ck{i}"), state.get(f"cv{i}")
+        if ck is None:
+            ck, cv = split_heads(ca.k_proj(enc), ca.num_heads), split_heads(ca.v_proj(enc), ca.num_heads)
+            state[f"ck{i}"], state[f"cv{i}"] = ck, cv
+        # the P rows that share a source (a sentence's beam) query its keys and values as one block
+        q = by_source(split_heads(ca.q_proj(h), ca.num_heads), P)
+        if i == last:  # the alignment layer: the weights too (fairseq's bmm / softmax in float / bmm)
+            scores = torch.matmul(q * ca.scaling, ck.transpose(-1, -2))
+            if cross_mask is not None:
+                scores = scores.masked_fill(~cross_mask, float("-inf"))
+            weights = torch.softmax(scores.float(), dim=-1).type_as(scores)
+            a = torch.matmul(weights, cv)
+            attn = by_row(weights, P).transpose(0, 1)  # [H, B, T, S], as fairseq's need_head_weights returns
+        else:
+            a = F.scaled_dot_product_attention(q, ck, cv, attn_mask=cross_mask, scale=ca.scaling)
+        x = residual + ca.out_proj(merge_heads(by_row(a, P)))
+        if not nb:
+            x = layer.encoder_attn_layer_norm(x)
+        x = feed_forward(layer, x)
+        inner_states.append(x)
+    if attn is not None:
+        attn = attn.float().to(x)
+    return decoder_output(decoder, x, attn, inner_states, alignment_heads)
+
+
+def _lean_cache(state, i: int, k: Tensor, v: Tensor, n: int):
+    """Appends the new keys / values [B, H, T, d] of layer i at positions n..n+T-1 of its preallocated buffers;
+    returns the views of positions 0..n+T-1."""
+    out = []
+    for name, new in (("k", k), ("v", v)):
+        buf, view = append_to_cache(state.get(f"{name}buf{i}"), state.get(f"{name}{i}"), new, n, CACHE_BLOCK)
+        state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, view
+        out.append(view)
+    return out
+
+
+def only_lean_state(incremental_state) -> bool:
+    """The lean step's state is the only one that holds anything (fairseq's attention modules hold none: the
+    lean step does not use them), so reordering it (:func:`reorder_lean_state`) is the whole reorder."""
+    return incremental_state is not None and STATE_KEY in incremental_state and all(
+        key == STATE_KEY or (isinstance(value, dict) and not value) for key, value in incremental_state.items())
+
+
+def reorder_lean_state(decoder, incremental_state, new_order) -> None:
+    """The lean step's state follows ``new_order`` (rows of the batch)."""
+    state = incremental_state[STATE_KEY]
+    n = state["k0"].size(2) if state.get("k0") is not None else 0
+    _reorder_sources(decoder, state, new_order)
+    for i in range(decoder.num_layers):
+        for name in ("k", "v"):  # the preallocated buffers; k{i} / v{i} stay views of them
+            buf = state.get(f"{name}buf{i}")
+            if buf is not None:
+                buf, state[f"{name}spare{i}"] = reorder_cache(buf, state.get(f"{name}spare{i}"), new_order, n)
+                state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, buf[:, :, :n]
+
+
+def holds_encoder_states(decoder, incremental_state) -> bool:
+    """True once the lean step has the source keys and values of every layer (and the source's padding): its
+    later steps do not read the encoder output, so a generator need not reorder it."""
+    state = incremental_state.get(STATE_KEY) if incremental_state is not None else None
+    return state is not None and "cross_mask" in state and all(
+        state.get(f"ck{i}") is not None for i in range(decoder.num_layers))
+
+
+def _reorder_sources(decoder, state, new_order):
+    """The source keys / values (and padding mask) are kept once per source, not per row: row r reads source
+    r // P. A beam search's reorder keeps each sentence's rows together (P of them, picked among its own
+    hypotheses), so only a change of the sentences (one finished, the first step's expansion to the beam)
+    moves source tensors; any other order (a permutation across sentences) gives every row its own copy again
+    (P = 1). One host read of the order per reorder."""
+    if state.get("ck0") is None:
+        return
+    P = int(state.get("cross_rows", 1))
+    sources = new_order if P == 1 else torch.div(new_order, P, rounding_mode="floor")
+    blocks = equal_runs(sources.tolist())
+    if blocks is None:
+        index, state["cross_rows"] = sources, 1
+    else:
+        firsts, state["cross_rows"] = blocks
+        index = None if firsts == list(range(state["ck0"].size(0))) else \
+            torch.tensor(firsts, dtype=torch.long, device=new_order.device)
+    if index is None:
+        return
+    if state.get("cross_mask") is not None:
+        state["cross_mask"] = state["cross_mask"].index_select(0, index)
+    for i in range(decoder.num_layers):
+        for name in ("ck", "cv"):
+            if state.get(f"{name}{i}") is not None:
+                state[f"{name}{i}"] = state[f"{name}{i}"].index_select(0, index)
+
+
 class LeanIncrementalDecoding:
     """Mixed into a decoder's class by :func:`lean_decoder` (before the decoder's own class): overrides
-    ``extract_features_scriptable`` for incremental steps and ``reorder_incremental_state`` for its state."""
-
-    def _lean_applies(self, prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
-        if incremental_state is None or self.training or full_context_alignment:
-            return False
-        if needs_autograd(self.layers[0]):
-            return False
-        if alignment_layer is not None and alignment_layer != self.num_layers - 1:
-            return False
-        state = incremental_state.get(STATE_KEY)
-        if state is None and cached_length(self, incremental_state) > 0:
-            return False  # a state that fairseq's path began (e.g. before lean_decoder was applied)
-        n = 0 if state is None or state.get("k0") is None else state["k0"].size(2)
-        new = prev_output_tokens.size(1) - n
-        K = int(getattr(self, "group_size", 1))
-        return new > 0 and new % K == 0
+    ``extract_features_scriptable`` for incremental steps (:func:`lean_step`) and ``reorder_incremental_state``
+    for its state, so that any generator (fairseq's too) decodes through the lean step."""
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
                                     full_context_alignment: bool = False, alignment_layer: Optional[int] = None,
                                     alignment_heads: Optional[int] = None):
-        if not self._lean_applies(prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
+        if not lean_applies(self, prev_output_tokens, incremental_state, full_context_alignment, alignment_layer):
             return super().extract_features_scriptable(
                 prev_output_tokens, encoder_out, incremental_state, full_context_alignment=full_context_alignment,
                 alignment_layer=alignment_layer, alignment_heads=alignment_heads)
-        return self._lean_step(prev_output_tokens, encoder_out, incremental_state, alignment_heads)
-
-    def _lean_step(self, prev_output_tokens, encoder_out, incremental_state, alignment_heads):
-        state: Dict[str, Optional[Tensor]] = incremental_state.setdefault(STATE_KEY, {})
-        bsz, slen = prev_output_tokens.size()
-        n = 0 if state.get("k0") is None else state["k0"].size(2)
-        T = slen - n
-        K = int(getattr(self, "group_size", 1))
-        positions = None if self.embed_positions is None else new_positions(self, prev_output_tokens, n)
-        x = embed_decoder_input(self, prev_output_tokens[:, n:], positions)
-        mask: Optional[Tensor] = None
-        if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
-            from fairseq_ext.sat.model import relaxed_causal_mask
-            mask = relaxed_causal_mask(n, slen, K, x)
-
-        enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
-        if enc is None:
-            raise FairseqExtError("lean_decoder: the decoder was called without an encoder output")
-        if "cross_mask" not in state:  # first step: the source's padding as an attention mask (True: attend)
-            pads = encoder_out.get("encoder_padding_mask") or []
-            pad = pads[0] if len(pads) > 0 else None
-            state["cross_mask"] = None if pad is None or not bool(pad.any()) else \
-                (~pad.to(torch.bool)).view(pad.size(0), 1, 1, pad.size(1))
-        cross_mask = state["cross_mask"]
-        P = int(state.get("cross_rows", 1))  # rows per source: row r reads source r // P (see the reorder)
-
-        attn: Optional[Tensor] = None
-        inner_states: List[Optional[Tensor]] = [x]
-        last = self.num_layers - 1
-        for i, layer in enumerate(self.layers):
-            nb = layer.normalize_before
-            sa, ca = layer.self_attn, layer.encoder_attn
-            # self-attention over the cache and the new positions
-            residual = x
-            h = layer.self_attn_layer_norm(x) if nb else x
-            x = residual + self_attention(sa, h, mask, lambda k, v: self._lean_cache(state, i, k, v, n))
-            if not nb:
-                x = layer.self_attn_layer_norm(x)
-            # encoder-decoder attention: the source keys and values projected on the first step
-            residual = x
-            h = layer.encoder_attn_layer_norm(x) if nb else x
-            ck, cv = state.get(f"ck{i}"), state.get(f"cv{i}")
-            if ck is None:
-                ck, cv = split_heads(ca.k_proj(enc), ca.num_heads), split_heads(ca.v_proj(enc), ca.num_heads)
-                state[f"ck{i}"], state[f"cv{i}"] = ck, cv
-            # the P rows that share a source (a sentence's beam) query its keys and values as one block
-            q = by_source(split_heads(ca.q_proj(h), ca.num_heads), P)
-            if i == last:  # the alignment layer: the weights too (fairseq's bmm / softmax in float / bmm)
-                scores = torch.matmul(q * ca.scaling, ck.transpose(-1, -2))
-                if cross_mask is not None:
-                    scores = scores.masked_fill(~cross_mask, float("-inf"))
-                weights = torch.softmax(scores.float(), dim=-1).type_as(scores)
-                a = torch.matmul(weights, cv)
-                attn = by_row(weights, P).transpose(0, 1)  # [H, B, T, S], as fairseq's need_head_weights returns
-            else:
-                a = F.scaled_dot_product_attention(q, ck, cv, attn_mask=cross_mask, scale=ca.scaling)
-            x = residual + ca.out_proj(merge_heads(by_row(a, P)))
-            if not nb:
-                x = layer.encoder_attn_layer_norm(x)
-            x = feed_forward(layer, x)
-            inner_states.append(x)
-        if attn is not None:
-            attn = attn.float().to(x)
-        return decoder_output(self, x, attn, inner_states, alignment_heads)
-
-    @staticmethod
-    def _lean_cache(state, i: int, k: Tensor, v: Tensor, n: int):
-        """Appends the new keys / values [B, H, T, d] of layer i at positions n..n+T-1 of its preallocated
-        buffers; returns the views of positions 0..n+T-1."""
-        out = []
-        for name, new in (("k", k), ("v", v)):
-            buf, view = append_to_cache(state.get(f"{name}buf{i}"), state.get(f"{name}{i}"), new, n, CACHE_BLOCK)
-            state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, view
-            out.append(view)
-        return out
+        return lean_step(self, prev_output_tokens, encoder_out, incremental_state, alignment_heads)
 
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
         """The entry point of fairseq's generators (and of the SAT generator): fairseq's walks every submodule and
         reorders each one's state, 97 modules of a 3-layer decoder (about 160 us of ``hasattr`` a call, once per
-        word of a beam search). When the lean step's state is the only one that holds anything (fairseq's
-        attention modules hold none: the lean step does not use them), reordering it is the whole job; any other
-        state (a step that fell back to fairseq's path) takes fairseq's walk."""
-        if incremental_state is not None and STATE_KEY in incremental_state and all(
-                key == STATE_KEY or (isinstance(value, dict) and not value)
-                for key, value in incremental_state.items()):
-            self.reorder_incremental_state(incremental_state, new_order)
+        word of a beam search). When the lean step's state is the only one (:func:`only_lean_state`), reordering
+        it is the whole job; any other state (a step that fell back to fairseq's path) takes fairseq's walk."""
+        if only_lean_state(incremental_state):
+            reorder_lean_state(self, incremental_state, new_order)
             return
         super().reorder_incremental_state_scripting(incremental_state, new_order)
 
     def reorder_incremental_state(self, incremental_state, new_order):
-        state = incremental_state.get(STATE_KEY) if incremental_state is not None else None
-        if state is None:
+        if incremental_state is None or incremental_state.get(STATE_KEY) is None:
             return super().reorder_incremental_state(incremental_state, new_order)
-        n = state["k0"].size(2) if state.get("k0") is not None else 0
-        self._reorder_sources(state, new_order)
-        for i in range(self.num_layers):
-            for name in ("k", "v"):  # the preallocated buffers; k{i} / v{i} stay views of them
-                buf = state.get(f"{name}buf{i}")
-                if buf is not None:
-                    buf, state[f"{name}spare{i}"] = reorder_cache(buf, state.get(f"{name}spare{i}"), new_order, n)
-                    state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, buf[:, :, :n]
+        reorder_lean_state(self, incremental_state, new_order)
         return incremental_state
 
     def holds_encoder_states(self, incremental_state) -> bool:
-        """True once the lean step has the source keys and values of every layer (and the source's padding):
-        its later steps do not read the encoder output, so a generator need not reorder it."""
-        state = incremental_state.get(STATE_KEY) if incremental_state is not None else None
-        return state is not None and "cross_mask" in state and all(
-            state.get(f"ck{i}") is not None for i in range(self.num_layers))
-
-    def _reorder_sources(self, state, new_order):
-        """The source keys / values (and padding mask) are kept once per source, not per row: row r reads source
-        r // P. A beam search's reorder keeps each sentence's rows together (P of them, picked among its own
-        hypotheses), so only a change of the sentences (one finished, the first step's expansion to the beam)
-        moves source tensors; any other order (a permutation across sentences) gives every row its own copy
-        again (P = 1). One host read of the order per reorder."""
-        if state.get("ck0") is None:
-            return
-        P = int(state.get("cross_rows", 1))
-        sources = new_order if P == 1 else torch.div(new_order, P, rounding_mode="floor")
-        blocks = equal_runs(sources.tolist())
-        if blocks is None:
-            index, state["cross_rows"] = sources, 1
-        else:
-            firsts, state["cross_rows"] = blocks
-            index = None if firsts == list(range(state["ck0"].size(0))) else \
-                torch.tensor(firsts, dtype=torch.long, device=new_order.device)
-        if index is None:
-            return
-        if state.get("cross_mask") is not None:
-            state["cross_mask"] = state["cross_mask"].index_select(0, index)
-        for i in range(self.num_layers):
-            for name in ("ck", "cv"):
-                if state.get(f"{name}{i}") is not None:
-                    state[f"{name}{i}"] = state[f"{name}{i}"].index_select(0, index)
+        return holds_encoder_states(self, incremental_state)
 
 
 _LEAN_CLASSES: Dict[Tuple[type, type], type] = {}

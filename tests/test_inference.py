@@ -89,7 +89,8 @@ def test_prepack_output_keeps_tied_weights_state_dict_and_hypotheses():
     src, lengths, _ = _batch()
     sample = sat_sample(src, lengths)
     for beam in (1, 3):
-        a = SATSequenceGenerator([plain], DICT, beam_size=beam, max_len_a=0, max_len_b=8).generate([plain], sample)
+        a = SATSequenceGenerator([plain], DICT, beam_size=beam, max_len_a=0, max_len_b=8, lean_step=False).generate(
+            [plain], sample)
         b = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=8).generate([m], sample)
         for ha, hb in zip(a, b):
             assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
@@ -156,12 +157,13 @@ def test_fast_attention_and_prepack_keep_the_hypotheses(K):
 
 def _same_hypotheses(plain, m, K, tol=1e-5):
     """Greedy and beam 4 (SAT generator) give the same hypotheses, scores and attention (within ``tol``) with
-    both models."""
+    both models; ``plain`` decoded through its own step (``lean_step=False``), ``m`` as the generator does by
+    default."""
     src, lengths, _ = _batch(bsz=5, seed=7)
     sample = sat_sample(src, lengths)
     for beam in (1, 4):
         opts = dict(beam_size=beam, max_len_a=1.0, max_len_b=5)
-        a = SATSequenceGenerator([plain], DICT, **opts).generate([plain], sample)
+        a = SATSequenceGenerator([plain], DICT, lean_step=False, **opts).generate([plain], sample)
         b = SATSequenceGenerator([m], DICT, **opts).generate([m], sample)
         for ha, hb in zip(a, b):
             assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], (K, beam)
@@ -370,14 +372,14 @@ def test_sat_generator_skips_the_encoder_reorder_with_the_lean_step(monkeypatch)
     plain, m = _lean_pair(2, 28)
     src, lengths, _ = _batch(bsz=3, seed=8)
     calls = {}
-    for name, model in (("plain", plain), ("lean", m)):
-        gen = SATSequenceGenerator([model], DICT, beam_size=3, max_len_a=1.0, max_len_b=5)
+    for name, model, lean_step in (("plain", plain, False), ("lean", m, False), ("default", plain, True)):
+        gen = SATSequenceGenerator([model], DICT, beam_size=3, max_len_a=1.0, max_len_b=5, lean_step=lean_step)
         orig = gen.model.reorder_encoder_out
         monkeypatch.setattr(gen.model, "reorder_encoder_out",
                             lambda e, o, name=name, orig=orig: calls.__setitem__(name, calls.get(name, 0) + 1)
                             or orig(e, o))
         gen.generate([model], sat_sample(src, lengths))
-    assert calls.get("plain", 0) >= 2 and "lean" not in calls
+    assert calls.get("plain", 0) >= 2 and "lean" not in calls and "default" not in calls
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
@@ -387,6 +389,31 @@ def test_lean_decoder_keeps_the_hypotheses(K):
         for mm in (plain, m):
             mm.decoder.output_projection.weight[DICT.eos()] *= 2.0  # hypotheses end at different lengths
     _same_hypotheses(plain, apply_speedups(m, "prepack"), K)
+
+
+def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model(monkeypatch):
+    """The generator's default: every decoder call through lean_decoder.lean_step (the model's class and
+    fairseq's generator untouched); lean_step=False: the decoder's own step; neither where the lean step does not
+    compute the decoder or is not for it (MSC, fast-attention's modules, float64)."""
+    import fairseq_ext.sat.generator as generator_module
+    calls = []
+    real = generator_module.lean_step
+    monkeypatch.setattr(generator_module, "lean_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = sat_model(2, seed=31)
+    cls = type(m.decoder)
+    src, lengths, _ = _batch(bsz=3, seed=10)
+    sample = sat_sample(src, lengths)
+    for beam in (1, 3):
+        gen = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=6, min_len=6)
+        assert gen.uses_lean_step
+        gen.generate([m], sample)
+        assert len(calls) == gen.decoder_calls > 2 and type(m.decoder) is cls
+        calls.clear()
+        own = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=6, min_len=6, lean_step=False)
+        own.generate([m], sample)
+        assert not own.uses_lean_step and not calls and own.decoder_calls == gen.decoder_calls
+    for other in (msc_build()[0], fast_attention(sat_model(2, seed=31)), sat_model(2, seed=31).double()):
+        assert not SATSequenceGenerator([other], DICT, beam_size=2).uses_lean_step
 
 
 def test_lean_decoder_on_a_fairseq_transformer_with_fairseq_and_sat_generators():
@@ -399,8 +426,8 @@ def test_lean_decoder_on_a_fairseq_transformer_with_fairseq_and_sat_generators()
     apply_speedups(m, "lean-decoder")
     src, lengths, _ = _batch(bsz=3, seed=9)
     sample = sat_sample(src, lengths)
-    for gen in (SequenceGenerator, SATSequenceGenerator):
-        a = gen([plain], DICT, beam_size=3, max_len_b=6).generate([plain], sample)
+    for gen, own in ((SequenceGenerator, {}), (SATSequenceGenerator, {"lean_step": False})):
+        a = gen([plain], DICT, beam_size=3, max_len_b=6, **own).generate([plain], sample)
         b = gen([m], DICT, beam_size=3, max_len_b=6).generate([m], sample)
         for ha, hb in zip(a, b):
             assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb], gen.__name__
@@ -537,8 +564,9 @@ def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
         proc = run_cli("interactive", [tmp_path] + base + list(extra), input=sentences)
         return [line.split("\t")[2] for line in proc.stdout.splitlines() if line.startswith("D-")]
 
-    plain = translate()
+    plain = translate()  # through the generator's default lean step
     assert len(plain) == len(DEMO)
+    assert translate("--no-lean-step") == plain  # the decoder's own step
     assert translate("--inference-speedups", "fast-attention,prepack") == plain
     assert translate("--inference-speedups", "lean-decoder,lean-encoder") == plain
     for out, words in zip(translate("--inference-speedups", "int8-decoder"), DEMO.values()):

@@ -223,14 +223,18 @@ def _same_hypos(a, b, what, atol=1e-5, attention=False):
                 assert_close(x["attention"], y["attention"], atol, f"{what} sentence {s} attention")
 
 
+@pytest.mark.parametrize("lean_step", [True, False])
 @pytest.mark.parametrize("beam,lenpen", [(1, 1.0), (2, 0.6), (4, 1.0), (5, 1.6)])
-def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen):
+def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, lean_step):
+    """Through the lean step (the generator's default) and through the decoder's own step."""
     sat = sat_model(1)
     ref = transformer_with_weights_of(sat)
     src, src_lengths, _, _ = _batch(bsz=4, src_len=6)
     sample = _sample(src, src_lengths)
     opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=0.3)
-    ours = _gen([sat], **opts).generate([sat], sample)
+    gen = _gen([sat], lean_step=lean_step, **opts)
+    assert gen.uses_lean_step == lean_step
+    ours = gen.generate([sat], sample)
     theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], sample)
     _same_hypos(ours, theirs, f"beam {beam} lenpen {lenpen}", attention=True)
     lengths = {len(h["tokens"]) for hs in theirs for h in hs}
@@ -251,7 +255,7 @@ def test_group_beam_search_finds_the_reordering_modules_once_per_search(monkeypa
     own = MultiheadAttention.reorder_incremental_state
     monkeypatch.setattr(MultiheadAttention, "reorder_incremental_state",
                         lambda self, *a: reorders.append(self) or own(self, *a))
-    gen = _gen([sat], beam_size=2, max_len_a=0, max_len_b=8, min_len=8)
+    gen = _gen([sat], lean_step=False, beam_size=2, max_len_a=0, max_len_b=8, min_len=8)
     gen.generate([sat], sample)
     groups = gen.decoder_calls
     attention_modules = [m for m in sat.decoder.modules() if isinstance(m, MultiheadAttention)]

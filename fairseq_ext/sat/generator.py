@@ -57,6 +57,8 @@ from fairseq.sequence_generator import (
 )
 
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.lean_decoder import (holds_encoder_states, lean_applies, lean_by_default, lean_step,
+                                     only_lean_state, reorder_lean_state)
 from fairseq_ext.sat.model import group_size
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
@@ -92,9 +94,11 @@ def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
 
 class SATEnsembleModel(EnsembleModelWithAlignment):
     """fairseq's model wrapper for one SAT model; :meth:`decode_group` runs the decoder on the K new
-    positions of every hypothesis (one call per group)."""
+    positions of every hypothesis (one call per group): through the lean step of
+    :mod:`fairseq_ext.lean_decoder` when ``lean_step`` and the decoder allows it (:func:`lean_by_default`;
+    ``uses_lean_step``), else through the decoder's own ``forward``. The model itself is not changed."""
 
-    def __init__(self, models):
+    def __init__(self, models, lean_step: bool = True):
         if len(models) != 1:
             raise FairseqExtError(
                 f"translation_sat decodes a single model; got an ensemble of {len(models)} (--path a.pt:b.pt). "
@@ -102,6 +106,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         super().__init__(models)
         self.group_size = group_size(models[0])
         self.decoder_calls = 0
+        self.uses_lean_step = bool(lean_step) and lean_by_default(self.single_model.decoder)
 
     def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
@@ -109,8 +114,12 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         Returns the log-probabilities [N, K, V] of the next K words and the attention [N, K, src_len] or None."""
         K = self.group_size
         self.decoder_calls += 1
-        x, extra = self.single_model.decoder.forward(
-            decoder_input, encoder_out=encoder_out, incremental_state=incremental_state)
+        decoder = self.single_model.decoder
+        if self.uses_lean_step and lean_applies(decoder, decoder_input, incremental_state):
+            x, extra = lean_step(decoder, decoder_input, encoder_out, incremental_state)
+            x = decoder.output_layer(x)
+        else:
+            x, extra = decoder.forward(decoder_input, encoder_out=encoder_out, incremental_state=incremental_state)
         if x.size(1) != K:
             x = x[:, -K:, :]
         if temperature != 1.0:
@@ -178,13 +187,15 @@ class _GroupSearch(SequenceGenerator):
 
     def _reorder(self, state, encoder_outs, rows: Tensor):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
-        (``lean-decoder`` keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
+        (the lean step keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
         ``reorder_incremental_state_scripting`` asks every submodule for ``reorder_incremental_state`` on every
         call (97 ``hasattr`` for the quickstart decoder, ~160 us); the same calls in the same order here, with the
         modules that have it found once per search."""
         decoder = self.model.single_model.decoder
-        if type(decoder).reorder_incremental_state_scripting is not _FAIRSEQ_REORDER_WALK:
-            decoder.reorder_incremental_state_scripting(state, rows)  # the decoder's own (lean-decoder)
+        if only_lean_state(state):  # the lean step's state is all there is
+            reorder_lean_state(decoder, state, rows)
+        elif type(decoder).reorder_incremental_state_scripting is not _FAIRSEQ_REORDER_WALK:
+            decoder.reorder_incremental_state_scripting(state, rows)  # the decoder's own
         else:
             if self._reorder_modules is None:
                 self._reorder_modules = [m for m in decoder.modules() if hasattr(m, "reorder_incremental_state")]
@@ -193,8 +204,7 @@ class _GroupSearch(SequenceGenerator):
                 result = module.reorder_incremental_state(incremental_state, rows)
                 if result is not None:
                     incremental_state = result
-        holds = getattr(decoder, "holds_encoder_states", None)
-        if holds is not None and holds(state):
+        if holds_encoder_states(decoder, state):
             return encoder_outs
         return self.model.reorder_encoder_out(encoder_outs, rows)
 
@@ -507,14 +517,19 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     dictionaries (tokens, score, positional_scores, attention, alignment) as fairseq's SequenceGenerator.
 
     ``decoder_calls`` counts the decoder calls of the last :meth:`generate` (for tests and benchmarks).
+    ``lean_step`` (default True): decoder calls go through the lean step of :mod:`fairseq_ext.lean_decoder` (the
+    same float32 products as fairseq's layers, summed in another order: ~1e-6) where :func:`lean_by_default`
+    allows (fairseq's and the SAT's transformer decoders, float32 on the CPU); ``lean_step=False``
+    (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
-    def __init__(self, models, tgt_dict, print_alignment=None, **kwargs):
+    def __init__(self, models, tgt_dict, print_alignment=None, lean_step: bool = True, **kwargs):
         if kwargs.get("match_source_len"):
             raise FairseqExtError("--match-source-len is not supported by --task translation_sat; remove it")
-        SequenceGenerator.__init__(self, SATEnsembleModel(models), tgt_dict, **kwargs)
+        SequenceGenerator.__init__(self, SATEnsembleModel(models, lean_step=lean_step), tgt_dict, **kwargs)
         self.group_size = self.model.group_size
+        self.uses_lean_step = self.model.uses_lean_step
         if self.repeat_ngram_blocker is not None and self.group_size > 1:
             raise FairseqExtError(
                 f"--no-repeat-ngram-size is not supported by --task translation_sat with --sat-group-size "
@@ -583,6 +598,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         models,
         task.target_dictionary,
         print_alignment=getattr(args, "print_alignment", None) or None,
+        lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
         beam_size=beam,
         max_len_a=getattr(args, "max_len_a", 0),
         max_len_b=getattr(args, "max_len_b", 200),

@@ -11,7 +11,10 @@ inside the model). What changes:
   with one clear line;
 * rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``;
 * ``--inference-speedups LIST`` applies :mod:`fairseq_ext.inference`'s opt-in CPU decoding speed-ups to the
-  loaded models before decoding (fairseq-generate, fairseq-interactive).
+  loaded models before decoding (fairseq-generate, fairseq-interactive);
+* the generator runs the decoder's incremental steps through the lean step of :mod:`fairseq_ext.lean_decoder`
+  where it computes the decoder exactly (float32 on the CPU; the model is not changed); ``--no-lean-step``
+  runs the decoder's own step.
 """
 
 import logging
@@ -37,6 +40,12 @@ class TranslationSATConfig(TranslationConfig):
                           "projection / every decoder / every encoder nn.Linear (outputs change a little); "
                           "amx-int8-decoder, amx-int8-encoder do the same with int8 products on AMX tiles (CPUs with "
                           "AMX; fairseq_ext/amx_int8.py). Inference only."})
+    no_lean_step: bool = field(
+        default=False,
+        metadata={"help": "decode with the decoder's own incremental step (fairseq's layers) instead of the lean "
+                          "step (fairseq_ext/lean_decoder.py: the same float32 products, summed in another order, "
+                          "~1e-6) that the generator uses by default for fairseq's and the SAT's transformer "
+                          "decoders in float32 on the CPU"})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
