@@ -7,13 +7,14 @@ exactly --length words + EOS, and each part of ``generate`` is timed where it ru
 * the group step (``_enumerated_group`` / ``_pruned_group``), the reorder (``_reorder``) and the constraints;
 * the rest of the search (top B, EOS, bookkeeping): the sentence's time less the parts above.
 
-Then the reorder alone, on the K=1 model's state after a search: fairseq's ``reorder_incremental_state_scripting``
-(its walk over every submodule) against the generator's ``_reorder``. ``--profile K`` also prints, from
+The generator takes its default lean decoder step (``--no-lean-step``: the decoder's own step). Then the reorder
+alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
+``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``. ``--profile K`` also prints, from
 ``torch.profiler`` over one more pass, the operators whose self time per decoder call grows most from K=1 to K.
 
     python benchmarks/bench_beam_parts.py [--speedups int8-decoder,int8-encoder,lean-decoder] [--beam 4]
                                           [--length 27] [--sentences 20] [--repeat 4] [--threads 1] [--tiny]
-                                          [--profile {2,4,6}]
+                                          [--profile {2,4,6}] [--no-lean-step]
 
 Each part is the fastest of --repeat passes over the sentences (models in turn within a pass); microseconds
 per decoder call, milliseconds per sentence, ratios over K=1 measured in the same run.
@@ -58,6 +59,8 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--profile", type=int, choices=[2, 4, 6], help="operator self times, K=1 against this K")
+    p.add_argument("--no-lean-step", action="store_true",
+                   help="the decoder's own step instead of the generator's default lean step (--no-lean-step)")
     a = p.parse_args(argv)
     if min(a.beam, a.length, a.sentences, a.repeat, a.threads) < 1:
         p.error("--beam, --length, --sentences, --repeat and --threads must be positive")
@@ -80,7 +83,7 @@ def main(argv=None):
         for name in names:
             m = apply_speedups(models[name], a.speedups) if a.speedups else models[name].eval()
             g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
-                                     max_len_b=a.length, min_len=a.length)
+                                     max_len_b=a.length, min_len=a.length, lean_step=not a.no_lean_step)
             acc = accs[name] = collections.defaultdict(float)
             g.model.decode_group = timed(acc, "decode", g.model.decode_group)
             for method, key in (("_start", "encoder"), ("_reorder", "reorder"), ("_constrain", "constrain"),
@@ -110,8 +113,9 @@ def main(argv=None):
                         b[key] = min(b[key], v)
 
         n = len(samples)
+        step = "the lean step" if gens["K=1"][0].uses_lean_step else "the decoder's own step"
         print(f"batch 1, beam {a.beam}, {a.length} words + EOS, {n} sentences, {a.threads} thread(s), "
-              f"speed-ups: {a.speedups or 'none'}; fastest of {a.repeat} passes per part")
+              f"speed-ups: {a.speedups or 'none'}, {step}; fastest of {a.repeat} passes per part")
         print(f"{'us per decoder call':<58}" + "".join(f"{nm:>10}" for nm in names))
         for key, label in PARTS:
             print(f"{label:<58}" + "".join(f"{best[nm][key] / n / calls[nm] * 1e6:>10.0f}" for nm in names))
@@ -122,8 +126,12 @@ def main(argv=None):
         print(f"{'speed-up over K=1':<58}" + "".join(f"{best['K=1']['total'] / best[nm]['total']:>9.2f}x"
                                                      for nm in names))
 
-        # the reorder alone, on the K=1 model's state after a search
+        # the reorder alone, on the K=1 model's state after a search through the decoder's own step (fairseq's
+        # walk does not reorder the lean step's state)
         g, m = gens["K=1"]
+        if g.uses_lean_step:
+            g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
+                                     max_len_b=a.length, min_len=a.length, lean_step=False)
         captured = {}
         reorder = g._reorder
 
@@ -142,7 +150,8 @@ def main(argv=None):
                 t_walk = best_us(lambda: FairseqIncrementalDecoder.reorder_incremental_state_scripting(
                     decoder, state, same), 300)
                 t_ours = best_us(lambda: g._reorder(state, enc, same), 300)
-                print(f"reorder of the K=1 state ({same.numel()} rows): fairseq's walk over every submodule "
+                print(f"reorder of the K=1 state of the decoder's own step ({same.numel()} rows): fairseq's walk "
+                      f"over every submodule "
                       f"{t_walk:.1f} us, the generator's _reorder {t_ours:.1f} us ({t_walk / t_ours:.2f}x)")
 
         if a.profile:

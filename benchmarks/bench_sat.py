@@ -7,8 +7,9 @@
 Contenders, all in this one process, measured interleaved (each sentence / batch is decoded by every
 contender in turn, in a rotating random order) so that the load of the machine affects all alike:
 
-* ``ours K=1``: our generator (:mod:`fairseq_ext.sat.generator`, whatever it holds when this runs) on the
-  transformer: the baseline of every speed-up;
+* ``ours K=1``: our generator (:mod:`fairseq_ext.sat.generator`, whatever it holds when this runs: its default
+  lean decoder step included; ``--float-opt own-step`` adds the decoder's own step) on the transformer: the
+  baseline of every speed-up;
 * anchors: (a) fairseq's ``SequenceGenerator`` on the same transformer; (b) the same transformer converted to
   CTranslate2 (``pip install --no-deps ctranslate2==4.8.5``; int8 and float32; skipped with a note when
   ctranslate2 is missing), what a user who wants fast CPU decoding picks; (c) a deep-encoder / shallow-decoder
@@ -90,7 +91,7 @@ INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int
                  "amx-lean": "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"}
 FLOAT_SPEEDUPS = {"prepack": "prepack", "attention": "fast-attention", "both": "fast-attention,prepack",
                   "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
-                  "lean-decoder": "lean-decoder"}
+                  "lean-decoder": "lean-decoder", "own-step": ""}
 CPU_TARGETS = {"greedy": {2: 1.5, 4: 2.7, 6: 3.4}, "beam4": {2: 1.8, 4: 3.0, 6: 3.6}}
 K1_VS_BASELINE_REV = 1.2  # ours K=1 against --baseline-rev's K=1 (issue 17)
 
@@ -137,7 +138,9 @@ def parse_args(argv=None):
                         "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
                         "fused QKV, scaled_dot_product_attention, preallocated key/value cache), both, the lean "
                         "decoder step and encoder layers ('lean': fairseq_ext.lean_decoder, lean_encoder), lean and "
-                        "prepack ('lean-prepack') or the lean decoder step alone ('lean-decoder'); repeatable")
+                        "prepack ('lean-prepack'), the lean decoder step alone ('lean-decoder'), or the decoder's "
+                        "own step instead of the generator's default lean step ('own-step': --no-lean-step); "
+                        "repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -335,8 +338,8 @@ def main(argv=None):
     else:
         gen_opts = dict(max_len_a=1.2, max_len_b=10)
 
-    def ours(model, cls=SATSequenceGenerator):
-        return lambda beam: cls([model], tgt_dict, beam_size=beam, **gen_opts)
+    def ours(model, cls=SATSequenceGenerator, **kw):
+        return lambda beam: cls([model], tgt_dict, beam_size=beam, **gen_opts, **kw)
 
     # -- the contenders ------------------------------------------------------------------------------------------
     teacher = models["K=1"]
@@ -380,7 +383,9 @@ def main(argv=None):
             continue
         for c in float_ours:
             m = apply_speedups(copy.deepcopy(c.model), speedups)
-            cs.append(Contender(f"{c.name} [{family}]", c.K, family, variant=family, model=m, make_gen=ours(m), of=c))
+            own = {"lean_step": False} if family == "float own-step" else {}
+            cs.append(Contender(f"{c.name} [{family}]", c.K, family, variant=family, model=m, make_gen=ours(m, **own),
+                                of=c))
     n_params = {"transformer 3+3" if not args.tiny else "transformer": sum(p.numel() for p in teacher.parameters())}
     if "6+1 K=1" in models:
         n_params["transformer 6+1"] = sum(p.numel() for p in models["6+1 K=1"].parameters())
@@ -450,6 +455,9 @@ def main(argv=None):
             r[f"{mode}_b1_len"] = toks[j] / len(samples)
             if calls[j]:
                 r[f"{mode}_b1_calls"] = calls[j] / len(samples)
+            step = c.decoder_step(beam)
+            if step is not None:
+                r["decoder_step"] = step
             if c.of is not None:  # agreement with the float model's hypotheses (int8 variants), ours K=1 (ct2)
                 ref = hyps[names.index(c.of.name)]
                 same_pos = sum(sum(a == b for a, b in zip(h, g)) for h, g in zip(hyps[j], ref))

@@ -126,6 +126,11 @@ class Contender:
         dt = time.perf_counter() - t0
         return dt, [h[0]["tokens"].tolist() for h in out], getattr(gen, "decoder_calls", 0)
 
+    def decoder_step(self, beam):
+        """"lean" / "own" for our generator (its default lean step or the decoder's own), None for the others."""
+        uses = getattr(self._gens.get(beam), "uses_lean_step", None)
+        return None if uses is None else ("lean" if uses else "own")
+
     def _decode_ct2(self, sample, beam, gen_opts):
         src, lens = sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"].tolist()
         pad = self.src_dict.pad()

@@ -21,7 +21,8 @@ at near-ties): :func:`prepack_output` runs the softmax projection through MKL's 
 reordered once, so a call with a few rows costs about what a one-row call does), and :func:`fast_attention`
 gives the decoder's attention a lean incremental path (fused Q/K/V projection, a preallocated key/value cache,
 ``F.scaled_dot_product_attention``); :func:`fairseq_ext.lean_decoder.lean_decoder` replaces the whole incremental
-decoder step by a lean one (the same products without fairseq's per-call bookkeeping), and
+decoder step by a lean one (the same products without fairseq's per-call bookkeeping; the SAT generator takes
+that step by default, so the flag matters for other generators and for models it does not take by default), and
 :func:`fairseq_ext.lean_encoder.lean_encoder` the encoder layers (one q/k/v call, PyTorch's attention kernel).
 :func:`apply_speedups`
 applies any of them by name; ``fairseq-generate --task translation_sat --inference-speedups

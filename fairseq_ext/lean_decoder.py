@@ -1,6 +1,9 @@
-"""A lean incremental decoder step for CPU decoding (opt-in: ``--inference-speedups lean-decoder``, or
-:func:`lean_decoder`): the same float32 products as fairseq's ``TransformerDecoderLayerBase`` and
-``MultiheadAttention``, without their per-call bookkeeping.
+"""A lean incremental decoder step for CPU decoding: the same float32 products as fairseq's
+``TransformerDecoderLayerBase`` and ``MultiheadAttention``, without their per-call bookkeeping. The SAT generator
+(``--task translation_sat``) decodes through it by default where :func:`lean_by_default` allows, calling
+:func:`lean_step` without changing the model (``--no-lean-step``: the decoder's own step); ``--inference-speedups
+lean-decoder`` (:func:`lean_decoder`) mixes it into the decoder's class, so that any generator (fairseq's too)
+takes it.
 
 At batch 1 a decoder call of the quickstart model (d 256, 3 layers) multiplies a handful of rows by each weight;
 most of its time is not in those products but in the ~800 PyTorch operations and Python calls around them
@@ -27,9 +30,11 @@ fairseq's (large key/value buffers into a spare buffer kept for the next reorder
 equal the plain model's except at near-ties (``tests/test_inference.py``: incremental == full pass within
 1e-5, reorders with permutations, same hypotheses as the plain model).
 
-Decoders it refuses, with one line: layers with cross-self-attention, NormFormer's extra norms or scaled
-residuals (``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder
-attention, an adaptive softmax, or the alignment layer's weights from several layers.
+Decoders ``lean-decoder`` refuses, with one line (:func:`lean_refusal`; the SAT generator's default decodes them
+through their own step): layers with cross-self-attention, NormFormer's extra norms or scaled residuals
+(``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder attention, an
+adaptive softmax, or the alignment layer's weights from several layers; decoders with their own features (MSC,
+BERT-JAM).
 """
 
 import warnings

@@ -28,11 +28,12 @@ N = 5  # --fixed-length of the tiny runs
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """One tiny --random-init run with every contender: the anchors (CTranslate2 when installed), K = 2, 4, 6,
-    the 6+1 family, the int8-output variant and the float32 opt-ins (prepack + fast attention)."""
+    the 6+1 family, the int8-output variant, the float32 opt-ins (prepack + fast attention) and the decoder's own
+    step instead of the generator's default lean one."""
     out = tmp_path_factory.mktemp("bench_sat") / "bench.json"
     cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "3",
            "--block", "2", "--repeat", "2", "--no-throughput", "--json", str(out), "--quantize", "output",
-           "--float-opt", "both"]
+           "--float-opt", "both", "--float-opt", "own-step"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     # exit 1 = a speed target missed (meaningless at this size); anything else is a failure
@@ -84,6 +85,14 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
     for mode in ("greedy", "beam4"):
         assert res["results"]["ours SAT K=4 [float both]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
     assert set(res["speedup_vs_k1_by_family"]["float both"]["greedy"]) == {"2", "4", "6"}
+    # our generator's default lean decoder step, and the decoder's own step (--float-opt own-step): same tokens
+    for name in ("ours K=1 (transformer)", "ours SAT K=4"):
+        assert res["results"][name]["decoder_step"] == "lean"
+        assert res["results"][f"{name} [float own-step]"]["decoder_step"] == "own"
+        for mode in ("greedy", "beam4"):
+            assert res["results"][f"{name} [float own-step]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
+    assert res["results"]["ours SAT K=4 [float both]"]["decoder_step"] == "own"  # fast-attention's own path
+    assert "decoder_step" not in res["results"]["fairseq SequenceGenerator (transformer)"]
     assert res["code"]["fairseq_ext/sat/generator.py"]["sha1"]
     assert "speed-up K=4" in stdout
 

@@ -45,7 +45,8 @@ class TranslationSATConfig(TranslationConfig):
         metadata={"help": "decode with the decoder's own incremental step (fairseq's layers) instead of the lean "
                           "step (fairseq_ext/lean_decoder.py: the same float32 products, summed in another order, "
                           "~1e-6) that the generator uses by default for fairseq's and the SAT's transformer "
-                          "decoders in float32 on the CPU"})
+                          "decoders in float32 on the CPU (after --inference-speedups lean-decoder the decoder's "
+                          "own step is the lean one)"})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
