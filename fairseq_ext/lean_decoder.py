@@ -1,9 +1,9 @@
 """A lean incremental decoder step for CPU decoding: the same float32 products as fairseq's
 ``TransformerDecoderLayerBase`` and ``MultiheadAttention``, without their per-call bookkeeping. The SAT generator
-(``--task translation_sat``) decodes through it by default where :func:`lean_by_default` allows, calling
-:func:`lean_step` without changing the model (``--no-lean-step``: the decoder's own step); ``--inference-speedups
-lean-decoder`` (:func:`lean_decoder`) mixes it into the decoder's class, so that any generator (fairseq's too)
-takes it.
+(``--task translation_sat``) decodes through it by default where :func:`lean_takes` and :func:`float32_on_cpu`
+allow, calling :func:`lean_step` without changing the model (``--no-lean-step``: the decoder's own step);
+``--inference-speedups lean-decoder`` (:func:`lean_decoder`) mixes it into the decoder's class, so that any
+generator (fairseq's too) takes it.
 
 At batch 1 a decoder call of the quickstart model (d 256, 3 layers) multiplies a handful of rows by each weight;
 most of its time is not in those products but in the ~800 PyTorch operations and Python calls around them
@@ -107,21 +107,24 @@ def lean_refusal(decoder) -> Optional[str]:
     return None
 
 
-def lean_by_default(decoder) -> bool:
+def lean_takes(decoder) -> bool:
     """Whether the SAT generator decodes ``decoder`` through the lean step unless asked not to
-    (``--no-lean-step``): a decoder the step computes exactly (:func:`lean_refusal`), in float32 on the CPU (the
-    step was written and measured there), whose attention modules are fairseq's own (``fast-attention`` gives
-    them another path, which the user asked for)."""
+    (``--no-lean-step``), while it is float32 on the CPU (:func:`float32_on_cpu`; the step was written and
+    measured there): the lean step computes the decoder's step exactly (:func:`lean_refusal`), and its attention
+    modules are fairseq's own (``fast-attention`` gives them another path, which the user asked for)."""
     from fairseq.modules import MultiheadAttention
 
-    embed = getattr(decoder, "embed_tokens", None)
-    weight = getattr(embed, "weight", None)
-    if weight is None or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return False
     if any(isinstance(m, MultiheadAttention) and type(m).forward is not MultiheadAttention.forward
            for m in decoder.modules()):
         return False
     return lean_refusal(decoder) is None
+
+
+def float32_on_cpu(decoder) -> bool:
+    """The decoder's word embeddings are float32 on the CPU (checked on every call: a model can be moved or
+    cast after its generator was built, e.g. fairseq-train's ``--eval-bleu`` generator)."""
+    weight = getattr(getattr(decoder, "embed_tokens", None), "weight", None)
+    return weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
 
 
 def _check(decoder):

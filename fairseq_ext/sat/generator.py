@@ -57,7 +57,7 @@ from fairseq.sequence_generator import (
 )
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import (holds_encoder_states, lean_applies, lean_by_default, lean_step,
+from fairseq_ext.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_step, lean_takes,
                                      only_lean_state, reorder_lean_state)
 from fairseq_ext.sat.model import group_size
 
@@ -95,8 +95,9 @@ def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
 class SATEnsembleModel(EnsembleModelWithAlignment):
     """fairseq's model wrapper for one SAT model; :meth:`decode_group` runs the decoder on the K new
     positions of every hypothesis (one call per group): through the lean step of
-    :mod:`fairseq_ext.lean_decoder` when ``lean_step`` and the decoder allows it (:func:`lean_by_default`;
-    ``uses_lean_step``), else through the decoder's own ``forward``. The model itself is not changed."""
+    :mod:`fairseq_ext.lean_decoder` when ``lean_step`` and the decoder allows it (``uses_lean_step``: the
+    decoder's structure is checked once, :func:`lean_takes`, its dtype and device on every call), else through
+    the decoder's own ``forward``. The model itself is not changed."""
 
     def __init__(self, models, lean_step: bool = True):
         if len(models) != 1:
@@ -106,7 +107,11 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         super().__init__(models)
         self.group_size = group_size(models[0])
         self.decoder_calls = 0
-        self.uses_lean_step = bool(lean_step) and lean_by_default(self.single_model.decoder)
+        self._lean_takes = bool(lean_step) and lean_takes(self.single_model.decoder)
+
+    @property
+    def uses_lean_step(self) -> bool:
+        return self._lean_takes and float32_on_cpu(self.single_model.decoder)
 
     def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
@@ -518,8 +523,9 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
 
     ``decoder_calls`` counts the decoder calls of the last :meth:`generate` (for tests and benchmarks).
     ``lean_step`` (default True): decoder calls go through the lean step of :mod:`fairseq_ext.lean_decoder` (the
-    same float32 products as fairseq's layers, summed in another order: ~1e-6) where :func:`lean_by_default`
-    allows (fairseq's and the SAT's transformer decoders, float32 on the CPU); ``lean_step=False``
+    same float32 products as fairseq's layers, summed in another order: ~1e-6) where
+    :func:`~fairseq_ext.lean_decoder.lean_takes` and ``float32_on_cpu`` allow (fairseq's and the SAT's transformer
+    decoders, float32 on the CPU); ``lean_step=False``
     (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
@@ -529,7 +535,6 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
             raise FairseqExtError("--match-source-len is not supported by --task translation_sat; remove it")
         SequenceGenerator.__init__(self, SATEnsembleModel(models, lean_step=lean_step), tgt_dict, **kwargs)
         self.group_size = self.model.group_size
-        self.uses_lean_step = self.model.uses_lean_step
         if self.repeat_ngram_blocker is not None and self.group_size > 1:
             raise FairseqExtError(
                 f"--no-repeat-ngram-size is not supported by --task translation_sat with --sat-group-size "
@@ -544,6 +549,11 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         else:
             self.extract_alignment = utils.extract_hard_alignment
         self.decoder_calls = 0
+
+    @property
+    def uses_lean_step(self) -> bool:
+        """Whether decoder calls take the lean step now (see the class docstring)."""
+        return self.model.uses_lean_step
 
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
         if kwargs.get("prefix_tokens") is not None:
