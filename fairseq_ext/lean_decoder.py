@@ -59,14 +59,16 @@ REORDER_USED_ONLY = 1 << 16  # buffers of this many elements or more: reorder on
 
 def _computes_what_fairseq_does(decoder) -> bool:
     """The decoder's features are fairseq's transformer decoder's (or the SAT decoder's, which differs only in
-    how many positions a step adds): a decoder that overrides them (MSC, BERT-JAM) computes something else."""
+    how many positions a step adds; or the lean step mixed into either): a decoder that overrides them (MSC,
+    BERT-JAM) computes something else."""
     from fairseq.models.transformer import TransformerDecoderBase
 
     from fairseq_ext.sat.model import SATDecoder
 
     own = type(decoder).extract_features_scriptable
     return isinstance(decoder, TransformerDecoderBase) and own in (
-        TransformerDecoderBase.extract_features_scriptable, SATDecoder.extract_features_scriptable)
+        TransformerDecoderBase.extract_features_scriptable, SATDecoder.extract_features_scriptable,
+        LeanIncrementalDecoding.extract_features_scriptable)  # lean_decoder applied before: the same step
 
 
 def attention_refusal(att) -> Optional[str]:

@@ -414,6 +414,7 @@ def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model
         assert not own.uses_lean_step and not calls and own.decoder_calls == gen.decoder_calls
     for other in (msc_build()[0], fast_attention(sat_model(2, seed=31)), sat_model(2, seed=31).double()):
         assert not SATSequenceGenerator([other], DICT, beam_size=2).uses_lean_step
+    assert SATSequenceGenerator([lean_decoder(sat_model(2, seed=31))], DICT, beam_size=2).uses_lean_step  # the same step
     # the dtype and device are checked on every call: a model cast after its generator was built takes its own
     # step (fairseq-train builds the --eval-bleu generator before it moves or casts the model)
     gen = SATSequenceGenerator([m], DICT, beam_size=3, max_len_a=0, max_len_b=6, min_len=6)
