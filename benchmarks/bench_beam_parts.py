@@ -9,8 +9,9 @@ exactly --length words + EOS, and each part of ``generate`` is timed where it ru
 
 The generator takes its default lean decoder step (``--no-lean-step``: the decoder's own step). Then the reorder
 alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
-``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``. ``--profile K`` also prints, from
-``torch.profiler`` over one more pass, the operators whose self time per decoder call grows most from K=1 to K.
+``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.
+``--profile K`` also prints, from ``torch.profiler`` over one more pass, the operators whose self time per
+decoder call grows most from K=1 to K.
 
     python benchmarks/bench_beam_parts.py [--speedups int8-decoder,int8-encoder,lean-decoder] [--beam 4]
                                           [--length 27] [--sentences 20] [--repeat 4] [--threads 1] [--tiny]

@@ -392,9 +392,9 @@ def test_lean_decoder_keeps_the_hypotheses(K):
 
 
 def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model(monkeypatch):
-    """The generator's default: every decoder call through lean_decoder.lean_step (the model's class and
-    fairseq's generator untouched); lean_step=False: the decoder's own step; neither where the lean step does not
-    compute the decoder or is not for it (MSC, fast-attention's modules, float64)."""
+    """The generator's default: every decoder call through lean_decoder.lean_step (the model's class
+    unchanged); lean_step=False: the decoder's own step; the own step where the lean step does not compute the
+    decoder or is not for it (MSC, fast-attention's modules, float64)."""
     import fairseq_ext.sat.generator as generator_module
     calls = []
     real = generator_module.lean_step
@@ -414,7 +414,8 @@ def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model
         assert not own.uses_lean_step and not calls and own.decoder_calls == gen.decoder_calls
     for other in (msc_build()[0], fast_attention(sat_model(2, seed=31)), sat_model(2, seed=31).double()):
         assert not SATSequenceGenerator([other], DICT, beam_size=2).uses_lean_step
-    assert SATSequenceGenerator([lean_decoder(sat_model(2, seed=31))], DICT, beam_size=2).uses_lean_step  # the same step
+    mixed = lean_decoder(sat_model(2, seed=31))  # lean-decoder applied: the same step, counted as the lean one
+    assert SATSequenceGenerator([mixed], DICT, beam_size=2).uses_lean_step
     # the dtype and device are checked on every call: a model cast after its generator was built takes its own
     # step (fairseq-train builds the --eval-bleu generator before it moves or casts the model)
     gen = SATSequenceGenerator([m], DICT, beam_size=3, max_len_a=0, max_len_b=6, min_len=6)
