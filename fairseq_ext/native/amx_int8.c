@@ -158,6 +158,15 @@ static void *run_slice(void *p) {
     return NULL;
 }
 
+/* a thread started for one call: its input buffer (thread-local) would be lost when it exits, so it is freed */
+static void *run_spawned(void *p) {
+    run_slice(p);
+    free(qbuf);
+    qbuf = NULL;
+    qcap = 0;
+    return NULL;
+}
+
 /* linear() with the outputs split over `threads` threads (the caller's and threads - 1 new ones), in slices of
  * whole 32-output blocks; each thread quantises the inputs itself. Returns 0, or -1 (no memory). */
 int fx_amx_linear(const float *x, int M, int K, const int8_t *wp, const float *sw, const float *bias, int N,
@@ -173,7 +182,7 @@ int fx_amx_linear(const float *x, int M, int K, const int8_t *wp, const float *s
         int n0 = blocks * t / threads * 32, n1 = blocks * (t + 1) / threads * 32;
         if (n1 > N) n1 = N;
         args[t] = (slice_args){x, sw + n0, bias ? bias + n0 : NULL, wp + (size_t)n0 * Kp, out + n0, M, K, n1 - n0, N, 0};
-        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run_slice, &args[t]) == 0;
+        if (t > 0) started[t] = pthread_create(&tid[t], NULL, run_spawned, &args[t]) == 0;
     }
     for (int t = 1; t < threads; t++)
         if (!started[t]) run_slice(&args[t]); /* no new thread: this one does it */
