@@ -3,11 +3,14 @@ models of ``bench_sat.py --random-init`` (the quickstart's sizes, random weights
 exactly --length words + EOS, and each part of ``generate`` is timed where it runs:
 
 * the encoder and the search's buffers (``_start``), per sentence;
-* the decoder call (layers, softmax projection, log-softmax: ``decode_group``);
-* the group step (``_enumerated_group`` / ``_pruned_group``), the reorder (``_reorder``) and the constraints;
-* the rest of the search (top B, EOS, bookkeeping): the sentence's time less the parts above.
+* the decoder call (layers, softmax projection, and the log-softmax on PyTorch's path: ``decode_group``);
+* the log-softmax as the search kernel reads it (``_logits_top``: top B, EOS, fairseq's rules), the group step
+  (``_enumerated_group`` / ``_pruned_group``), the reorder (``_reorder``) and, on PyTorch's path, the rules
+  (``_constrain``);
+* the rest of the search (on PyTorch's path the top B, EOS; bookkeeping): the sentence's time less the parts above.
 
-The generator takes its default lean decoder step (``--no-lean-step``: the decoder's own step). Then the reorder
+The generator takes its defaults: the lean decoder step and :mod:`fairseq_ext.search_kernels` where it runs
+(``--no-lean-step``: the decoder's own step and PyTorch's log-softmax). Then the reorder
 alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
 ``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.
 ``--profile K`` also prints, from ``torch.profiler`` over one more pass, the operators whose self time per
@@ -35,8 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_beam_rows import best_us  # noqa: E402
 from bench_sat_contenders import build_random_models, random_sources  # noqa: E402
 
-PARTS = [("decode", "decoder call (layers, softmax projection, log-softmax)"), ("step", "group step"),
-         ("reorder", "reorder"), ("constrain", "constraints"), ("rest", "the rest of the search (top B, EOS, ...)")]
+PARTS = [("decode", "decoder call (layers, softmax projection[, log-softmax])"),
+         ("top", "log-softmax read by the kernel: top B, EOS, rules"), ("step", "group step"),
+         ("reorder", "reorder"), ("constrain", "constraints (PyTorch's path)"),
+         ("rest", "the rest of the search (top B on PyTorch's path, ...)")]
 
 
 def timed(acc, key, fn):
@@ -61,7 +66,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--profile", type=int, choices=[2, 4, 6], help="operator self times, K=1 against this K")
     p.add_argument("--no-lean-step", action="store_true",
-                   help="the decoder's own step instead of the generator's default lean step (--no-lean-step)")
+                   help="the decoder's own step and PyTorch's log-softmax instead of the generator's defaults "
+                        "(--no-lean-step)")
     a = p.parse_args(argv)
     if min(a.beam, a.length, a.sentences, a.repeat, a.threads) < 1:
         p.error("--beam, --length, --sentences, --repeat and --threads must be positive")
@@ -88,6 +94,7 @@ def main(argv=None):
             acc = accs[name] = collections.defaultdict(float)
             g.model.decode_group = timed(acc, "decode", g.model.decode_group)
             for method, key in (("_start", "encoder"), ("_reorder", "reorder"), ("_constrain", "constrain"),
+                                ("_logits_top", "top"),
                                 ("_enumerated_group", "step"), ("_pruned_group", "step")):
                 setattr(g, method, timed(acc, key, getattr(g, method)))
             gens[name] = (g, m)
@@ -118,8 +125,9 @@ def main(argv=None):
         print(f"batch 1, beam {a.beam}, {a.length} words + EOS, {n} sentences, {a.threads} thread(s), "
               f"speed-ups: {a.speedups or 'none'}, {step}; fastest of {a.repeat} passes per part")
         print(f"{'us per decoder call':<58}" + "".join(f"{nm:>10}" for nm in names))
-        for key, label in PARTS:
-            print(f"{label:<58}" + "".join(f"{best[nm][key] / n / calls[nm] * 1e6:>10.0f}" for nm in names))
+        for key, label in PARTS:  # "-": a part that did not run
+            print(f"{label:<58}" + "".join(f"{best[nm][key] / n / calls[nm] * 1e6:>10.0f}"
+                                            if best[nm][key] < float("inf") else f"{'-':>10}" for nm in names))
         print(f"{'encoder and the search buffers (_start), ms per sentence':<58}"
               + "".join(f"{best[nm]['encoder'] / n * 1e3:>10.2f}" for nm in names))
         print(f"{'decoder calls per sentence':<58}" + "".join(f"{calls[nm]:>10.1f}" for nm in names))

@@ -74,13 +74,16 @@ def _cpu_refusal() -> Optional[str]:
     return None
 
 
-def _build() -> Path:
-    """The kernel library, compiled from :data:`SOURCE` on first use and cached by the source's and flags' hash."""
+def _build(source: Path = SOURCE, cflags: List[str] = CFLAGS,
+           needs: str = "AMX intrinsics need gcc >= 11 or clang >= 12") -> Path:
+    """The kernel library, compiled from ``source`` (default :data:`SOURCE`) on first use and cached by the
+    source's and flags' hash; ``needs`` (what the compiler must support) goes into the refusal of a failed build.
+    :mod:`fairseq_ext.search_kernels` builds its kernel through it too."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise FairseqExtError("no C compiler found (set CC or install gcc >= 11)")
     command = shlex.split(cc)  # CC may carry a wrapper or flags ("ccache gcc")
-    tag = hashlib.sha256(SOURCE.read_bytes() + " ".join(command + CFLAGS).encode()).hexdigest()[:16]
+    tag = hashlib.sha256(source.read_bytes() + " ".join(command + cflags).encode()).hexdigest()[:16]
     cache = os.environ.get("FAIRSEQ_EXT_CACHE")
     if not cache:
         try:
@@ -88,7 +91,7 @@ def _build() -> Path:
         except RuntimeError:  # no home directory (some CI and container users)
             cache = Path(tempfile.gettempdir()) / f"fairseq_ext-{os.getuid()}"
     cache = Path(cache)
-    lib = cache / f"amx_int8-{tag}.so"
+    lib = cache / f"{source.stem}-{tag}.so"
     try:
         cache.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = cache.stat()
@@ -106,13 +109,12 @@ def _build() -> Path:
         raise FairseqExtError(f"cannot write the built kernel to {cache} ({e}); set FAIRSEQ_EXT_CACHE")
     try:
         try:
-            run = subprocess.run([*command, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            run = subprocess.run([*command, *cflags, str(source), "-o", tmp], capture_output=True, text=True)
         except OSError as e:
             raise FairseqExtError(f"cannot run the C compiler {cc!r} ({e}); set CC")
         if run.returncode != 0:
             first = next((line for line in run.stderr.splitlines() if "error" in line), run.stderr.strip()[:200])
-            raise FairseqExtError(f"{cc} could not build {SOURCE.name} (AMX intrinsics need gcc >= 11 or "
-                                  f"clang >= 12): {first}")
+            raise FairseqExtError(f"{cc} could not build {source.name} ({needs}): {first}")
         os.replace(tmp, lib)  # atomic: a concurrent build leaves one complete file
     finally:
         if os.path.exists(tmp):

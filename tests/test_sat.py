@@ -224,16 +224,20 @@ def _same_hypos(a, b, what, atol=1e-5, attention=False):
 
 
 @pytest.mark.parametrize("lean_step", [True, False])
-@pytest.mark.parametrize("beam,lenpen", [(1, 1.0), (2, 0.6), (4, 1.0), (5, 1.6)])
-def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, lean_step):
-    """Through the lean step (the generator's default) and through the decoder's own step."""
+@pytest.mark.parametrize("beam,lenpen,unkpen", [(1, 1.0, 0.3), (2, 0.6, 0.3), (4, 1.0, 0.3), (5, 1.6, 0.3),
+                                                (1, 1.0, 0.0), (4, 0.6, 0.0)])
+def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, lean_step):
+    """Through the lean step (the generator's default) and through the decoder's own step; without --unkpen the
+    default also reads the log-softmax through fairseq_ext.search_kernels (where it runs)."""
+    from fairseq_ext import search_kernels
     sat = sat_model(1)
     ref = transformer_with_weights_of(sat)
     src, src_lengths, _, _ = _batch(bsz=4, src_len=6)
     sample = _sample(src, src_lengths)
-    opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=0.3)
+    opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=unkpen)
     gen = _gen([sat], lean_step=lean_step, **opts)
     assert gen.uses_lean_step == lean_step
+    assert gen.reads_top_only == (lean_step and unkpen == 0 and search_kernels.refusal() is None)
     ours = gen.generate([sat], sample)
     theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], sample)
     _same_hypos(ours, theirs, f"beam {beam} lenpen {lenpen}", attention=True)
@@ -412,23 +416,31 @@ def _tiny_batch(bsz, seed):
 
 
 @pytest.mark.parametrize("K,beam", [(2, 2), (2, 3), (3, 2), (3, 3), (2, 1), (3, 1), (1, 3)])
-@pytest.mark.parametrize("step", ["enumerated", "pruned"])
+@pytest.mark.parametrize("step", ["enumerated", "enumerated-pytorch", "pruned"])
 def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeypatch):
     """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
     a group and rank in the top B at their length): equal to enumerating every continuation of every
-    hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Both group steps: the rank-tuple
-    enumeration (the default) and the position-by-position prune (beams too wide for the enumeration)."""
+    hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Every group step: the rank-tuple
+    enumeration (the default; in C where fairseq_ext.search_kernels runs, else in PyTorch ops) and the
+    position-by-position prune (beams too wide for the enumeration). Without --unkpen the default reads the
+    log-softmax through the kernel."""
+    from fairseq_ext import search_kernels
     if step == "pruned":
         monkeypatch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
+    if step == "enumerated" and search_kernels.refusal() is not None:
+        pytest.skip(search_kernels.refusal())
     checked_lengths = set()
     for seed in range(4):
         m = _tiny_sat(K, seed=100 * K + seed)
         src, src_lengths = _tiny_batch(3, seed)
-        for lenpen, min_len, max_len in ((1.0, 1, 7), (0.6, 3, 8)):
+        for lenpen, min_len, max_len, unkpen in ((1.0, 1, 7, 0.3), (0.6, 3, 8, 0.0)):
             gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, len_penalty=lenpen, max_len_a=0,
-                                       max_len_b=max_len, min_len=min_len, unk_penalty=0.3)
+                                       max_len_b=max_len, min_len=min_len, unk_penalty=unkpen)
+            assert gen.native_group_step or step != "enumerated"
+            if step == "enumerated-pytorch":
+                gen.native_group_step = False
             ours = gen.generate([m], _sample(src, src_lengths))
-            ref = _brute_force_group_search(m, src, src_lengths, K, beam, max_len, min_len, lenpen, 0.3)
+            ref = _brute_force_group_search(m, src, src_lengths, K, beam, max_len, min_len, lenpen, unkpen)
             for s, (hs, rs) in enumerate(zip(ours, ref)):
                 what = f"K={K} beam={beam} seed={seed} lenpen={lenpen} sentence {s}"
                 assert len(hs) == len(rs), what
@@ -539,6 +551,7 @@ def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypat
             return lprobs.masked_fill(mask, fill), attn
         monkeypatch.setattr(SATEnsembleModel, "decode_group", poisoned)
         gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1)
+        gen.reads_top_only = False  # the log-probabilities above are what the search reads
         return gen.generate([m], _sample(src, src_lengths))
 
     expected = run(-math.inf)

@@ -48,7 +48,8 @@ import torch
 from torch import Tensor
 
 from fairseq import search, utils
-from fairseq.models import FairseqIncrementalDecoder
+from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
+from fairseq.models.transformer import TransformerModelBase
 from fairseq.tasks.translation import TranslationTask
 from fairseq.sequence_generator import (
     EnsembleModelWithAlignment,
@@ -57,6 +58,7 @@ from fairseq.sequence_generator import (
 )
 
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext import search_kernels
 from fairseq_ext.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_step, lean_takes,
                                      only_lean_state, reorder_lean_state)
 from fairseq_ext.sat.model import group_size
@@ -113,10 +115,12 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     def uses_lean_step(self) -> bool:
         return self._lean_takes and float32_on_cpu(self.single_model.decoder)
 
-    def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
+    def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0,
+                     normalize: bool = True):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
         multiple of K), a view of the search's buffer: the decoder embeds only its K uncached positions.
-        Returns the log-probabilities [N, K, V] of the next K words and the attention [N, K, src_len] or None."""
+        Returns the log-probabilities [N, K, V] of the next K words (``normalize=False``: the logits, divided by
+        ``temperature``) and the attention [N, K, src_len] or None."""
         K = self.group_size
         self.decoder_calls += 1
         decoder = self.single_model.decoder
@@ -129,11 +133,25 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
             x = x[:, -K:, :]
         if temperature != 1.0:
             x = x.div_(temperature)
-        lprobs = self.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None)
         attn = extra["attn"][0] if isinstance(extra, dict) and extra.get("attn") else None
         if attn is not None and attn.size(1) != K:
             attn = attn[:, -K:, :]
-        return lprobs, attn
+        if normalize:
+            x = self.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None)
+        return x, attn
+
+
+def plain_log_softmax(model) -> bool:
+    """Whether ``model.get_normalized_probs(net_output, log_probs=True)`` is fairseq's ``utils.log_softmax`` of the
+    logits (no adaptive softmax, no override), so that :mod:`fairseq_ext.search_kernels` may read it instead."""
+    decoder = getattr(model, "decoder", None)
+    return (type(model).get_normalized_probs in (BaseFairseqModel.get_normalized_probs,
+                                                 TransformerModelBase.get_normalized_probs)
+            and type(model).get_normalized_probs_scriptable is BaseFairseqModel.get_normalized_probs_scriptable
+            and isinstance(decoder, FairseqDecoder)
+            and type(decoder).get_normalized_probs is FairseqDecoder.get_normalized_probs
+            and type(decoder).get_normalized_probs_scriptable is FairseqDecoder.get_normalized_probs_scriptable
+            and getattr(decoder, "adaptive_softmax", None) is None and not getattr(decoder, "onnx_trace", False))
 
 
 class _GroupSearch(SequenceGenerator):
@@ -189,6 +207,25 @@ class _GroupSearch(SequenceGenerator):
         if self.token_indices_to_suppress is not None:
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
+
+    def _logits_top(self, x: Tensor, B: int, step: int, max_len: int):
+        """What a step reads of the log-softmax of the logits ``x`` [N, K, V], through
+        :func:`fairseq_ext.search_kernels.log_softmax_top`: the B best non-EOS, non-pad log-probabilities and
+        their words [N, K, B] and the EOS log-probabilities [N, K], with fairseq's rules of :meth:`_constrain`
+        applied to them (nothing else reads the rest of the row: the kernel runs only without --unkpen, token
+        suppression and --no-repeat-ngram-size). None where the kernel leaves a row to PyTorch (not finite)."""
+        if x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        top = search_kernels.log_softmax_top(x, B, (self.pad, self.eos), self.eos)
+        if top is None:
+            return None
+        vals, words, eos_lp = top
+        last = max(max_len - step, 0)
+        if last < vals.size(1):  # positions with step + k >= max_len: only EOS
+            vals[:, last:] = -math.inf
+        if step < self.min_len:  # positions with step + k < min_len: no EOS
+            eos_lp[:, : self.min_len - step] = -math.inf
+        return vals, words, eos_lp
 
     def _reorder(self, state, encoder_outs, rows: Tensor):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
@@ -256,13 +293,21 @@ class _GroupSearch(SequenceGenerator):
         alive: List[int] = list(range(bsz))  # row -> sentence
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         k_index = torch.arange(K, device=tokens.device)
+        top_only = self.reads_top_only
         for step in range(0, n_steps, K):
-            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
-                                                         self.temperature)
-            lprobs = self._constrain(lprobs, step, max_len)
-            best_lp, best = lprobs.max(dim=-1)  # [n, K]
-            if self._selected_nan(best_lp):
-                best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
+            x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
+                                                    normalize=not top_only)
+            top = self._logits_top(x, 1, step, max_len) if top_only else None
+            if top is not None:  # the best non-EOS word, or EOS where it scores at least as high (max's first index)
+                vals, words, eos_lp = top
+                take_eos = (eos_lp > vals[:, :, 0]) | ((eos_lp == vals[:, :, 0]) & (words[:, :, 0] > self.eos))
+                best_lp = torch.where(take_eos, eos_lp, vals[:, :, 0])  # [n, K]
+                best = words[:, :, 0].masked_fill(take_eos, self.eos)
+            else:
+                lprobs = self._constrain(utils.log_softmax(x, dim=-1) if top_only else x, step, max_len)
+                best_lp, best = lprobs.max(dim=-1)  # [n, K]
+                if self._selected_nan(best_lp):
+                    best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
             tokens[:, K + step: 2 * K + step] = best
             # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
             prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
@@ -362,6 +407,20 @@ class _GroupSearch(SequenceGenerator):
         ranks, lengths, length_list = cands
         N, K, B = vals.shape
         C, J = ranks.size(0), last + 1
+        if self.native_group_step and vals.is_cpu and B <= search_kernels.GROUP_MAX_BEAM:
+            # the same step in one C call (the same float32 numbers): candidates as parent * C + c
+            cum, c_words, end, alive, fin = search_kernels.enumerated_group(scores, vals, words, eos_lp, n, P, J,
+                                                                            ranks, lengths)
+
+            def ended_c(j, s, i):
+                row, c = s * P + i // C, i % C
+                L = length_list[c]
+                return row, c_words[row, c, :L], torch.cat([cum[row, c, :L], end[row, c: c + 1]])
+
+            def chosen_c(flat):
+                return c_words.view(-1, K).index_select(0, flat), cum.view(-1, K).index_select(0, flat)
+
+            return fin.tolist(), ended_c, alive, C, chosen_c
         index, n_ends, slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, J)
         idx = ranks.t().unsqueeze(0).expand(N, K, C)
         cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
@@ -450,27 +509,35 @@ class _GroupSearch(SequenceGenerator):
         sents: List[int] = list(range(bsz))  # sentence of each block of P rows
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         P = 1
-        # the group step, chosen once per search: K = 1 (one position, fairseq's beam) prunes with a single top B,
-        # fewer ops than the enumeration; so does a beam with too many rank tuples
-        cands = self._rank_tuples(B, K, dev) if K > 1 else None
+        # the group step, chosen once per search: the enumeration, in one C call where the kernel runs
+        # (native_group_step); in PyTorch ops K = 1 (one position, fairseq's beam) prunes with a single top B, fewer
+        # ops than the enumeration; so does a beam with too many rank tuples
+        native = self.native_group_step and dev.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
+        cands = self._rank_tuples(B, K, dev) if K > 1 or native else None
         enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
         group_step = self._enumerated_group if enumerate_ else self._pruned_group
+        top_only = self.reads_top_only
         for step in range(0, n_steps, K):
             n = len(sents)
-            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
-                                                         self.temperature)
-            lprobs = self._constrain(lprobs, step, max_len)  # [n*P, K, V]
-            if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
-                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+            x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
+                                                    normalize=not top_only)
+            # per position, the B best non-EOS words [N, K, B] and EOS [N, K]: read by the kernel, or PyTorch's
+            top = self._logits_top(x, B, step, max_len) if top_only else None
+            if top is not None:
+                vals, words, eos_lp = top
+            else:
+                lprobs = self._constrain(utils.log_softmax(x, dim=-1) if top_only else x, step, max_len)
+                if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
+                    lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+                eos_lp = lprobs[:, :, eos].clone()  # [N, K]
+                lprobs[:, :, eos] = -math.inf
+                vals, words = top_b(lprobs, B)
+                if self._selected_nan(vals, eos_lp):
+                    self._nan_to_neg_inf(eos_lp)
+                    vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
             if group_attn is not None and attn is None:
                 attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
             last = min(K - 1, max_len - step)  # positions after --max-len are never reached
-            eos_lp = lprobs[:, :, eos].clone()  # [N, K]
-            lprobs[:, :, eos] = -math.inf
-            vals, words = top_b(lprobs, B)  # per position, the B best non-EOS words: [N, K, B]
-            if self._selected_nan(vals, eos_lp):
-                self._nan_to_neg_inf(eos_lp)
-                vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
             fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
 
             # the host needs which hypotheses end (in rank order, per position): one read per group
@@ -527,6 +594,11 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     :func:`~fairseq_ext.lean_decoder.lean_takes` and ``float32_on_cpu`` allow (fairseq's and the SAT's transformer
     decoders, float32 on the CPU); ``lean_step=False``
     (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
+    :mod:`fairseq_ext.search_kernels` (C, where the CPU has AVX-512F and a C compiler builds it): with
+    ``lean_step`` and without --unkpen, token suppression or --no-repeat-ngram-size, the search reads each row's
+    log-softmax through its kernel (the B best words and EOS, ~1 ulp from PyTorch's; ``reads_top_only``), and
+    the enumerated group step runs in one C call with the same numbers as its PyTorch ops
+    (``native_group_step``; then K = 1 takes the enumeration too). Both attributes may be set to False.
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
@@ -542,6 +614,12 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         if type(self.search) is not search.BeamSearch:
             raise FairseqExtError("translation_sat supports beam search and greedy search only")
         self.left_pad_target = False
+        # the search reads the log-softmax through fairseq_ext.search_kernels where nothing else needs the row
+        self.reads_top_only = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
+                               and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model)
+                               and search_kernels.refusal() is None)
+        # the enumerated group step in one C call where the kernel library runs here (same numbers)
+        self.native_group_step = search_kernels.refusal() is None
         self.print_alignment = print_alignment
         self._reorder_modules = None
         if print_alignment == "soft":

@@ -14,7 +14,8 @@ inside the model). What changes:
   loaded models before decoding (fairseq-generate, fairseq-interactive);
 * the generator runs the decoder's incremental steps through the lean step of :mod:`fairseq_ext.lean_decoder`
   where it computes the decoder exactly (float32 on the CPU; the model is not changed); ``--no-lean-step``
-  runs the decoder's own step.
+  runs the decoder's own step and PyTorch's log-softmax (the default reads it through
+  :mod:`fairseq_ext.search_kernels` where that runs).
 """
 
 import logging
@@ -46,7 +47,9 @@ class TranslationSATConfig(TranslationConfig):
                           "step (fairseq_ext/lean_decoder.py: the same float32 products, summed in another order, "
                           "~1e-6) that the generator uses by default for fairseq's and the SAT's transformer "
                           "decoders in float32 on the CPU (after --inference-speedups lean-decoder the decoder's "
-                          "own step is the lean one)"})
+                          "own step is the lean one), and with PyTorch's log-softmax instead of the search "
+                          "kernel that reads only the B best words and EOS of each row (fairseq_ext/search_kernels.py,"
+                          " ~1 ulp; used without --unkpen where the CPU has AVX-512F)"})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)

@@ -1,0 +1,142 @@
+"""Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/native/search_kernels.c``,
+AVX-512F intrinsics, built once with the system C compiler and cached as :mod:`fairseq_ext.amx_int8`'s kernel is).
+At batch 1 a step's PyTorch ops each cost a few microseconds whatever their size; these two replace about 35 of
+them. Where the CPU lacks AVX-512F or no C compiler builds the file, :func:`refusal` says why in one line and the
+generator keeps its PyTorch ops.
+
+* :func:`log_softmax_top` (the generator's default with the lean step; ``--no-lean-step`` turns both off). A beam
+  step reads, of each row's log-softmax ``lp = log_softmax(x)`` over V words, only its B best words (EOS and pad
+  excluded) and the EOS column. PyTorch writes the whole row, then the search masks pad and EOS and ranks the row
+  again: on the quickstart's 8,000 words 59 us for 4 rows and 83 us for 8 (one thread, with
+  :func:`fairseq_ext.sat.generator.top_b`), most of it per call. The kernel reads each row twice:
+
+      m = max_v x[v],   s = log sum_v exp(x[v] - m),   lp[v] = (x[v] - m) - s     (PyTorch's order of operations)
+
+  keeping the B largest x[v] of the candidate columns on the way (a block of 16 is looked at only when one of its
+  values beats the B-th so far): 12.5 / 20 us for 4 / 8 rows. The values are PyTorch's log-softmax up to the
+  exponential (a degree-6 polynomial after Cephes' ``expf``, ~1 ulp) and the order of the sum: within 1e-6 plus
+  2 ulp of the exact log-softmax (``tests/test_search_kernels.py``); the words are those of a top B of
+  PyTorch's row, equal values ranking the smaller word first. A row whose maximum or sum is not finite (a NaN anywhere, +inf, every value -inf) is not
+  computed: the call returns None and the caller takes PyTorch's path, where fairseq's rules for those apply.
+* :func:`enumerated_group`: the generator's enumerated group step (every parent's candidate prefixes scored at
+  once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops: about
+  25 ops and 100-120 us a call there, 20-30 us here. It changes no number, so the generator uses it wherever the
+  kernel runs (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
+
+Float32 on the CPU only.
+"""
+
+import ctypes
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from fairseq_ext import amx_int8
+from fairseq_ext.errors import FairseqExtError
+
+SOURCE = Path(__file__).with_name("native") / "search_kernels.c"
+CFLAGS = ["-O3", "-mavx512f", "-shared", "-fPIC"]
+
+_lib = None
+_refusal = None
+logger = logging.getLogger(__name__)
+
+
+def _cpu_refusal() -> Optional[str]:
+    if sys.platform != "linux" or not hasattr(os, "sched_getaffinity"):
+        return f"it runs on Linux only (this is {sys.platform})"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError as e:
+        return f"/proc/cpuinfo cannot be read ({e})"
+    if "avx512f" not in flags:
+        return "this CPU lacks avx512f"
+    return None
+
+
+def kernel():
+    """The loaded library (ctypes); raises FairseqExtError with one line when it cannot run here."""
+    global _lib, _refusal
+    if _lib is not None:
+        return _lib
+    if _refusal is None:
+        try:
+            why = _cpu_refusal()
+            if why is None:
+                lib = ctypes.CDLL(str(amx_int8._build(SOURCE, CFLAGS, "AVX-512F intrinsics need gcc >= 5 or clang")))
+                P, L = ctypes.c_void_p, ctypes.c_int64
+                lib.fx_log_softmax_top.argtypes = [P, L, L, L, ctypes.c_int, L, L, L, P, P, P]
+                lib.fx_log_softmax_top.restype = ctypes.c_int
+                lib.fx_enumerated_group.argtypes = [P, P, P, P, L, L, L, L, L, P, P, L, P, P, P, P, P]
+                lib.fx_enumerated_group.restype = None
+                _lib = lib
+                return lib
+        except FairseqExtError as e:
+            why = str(e)
+        except OSError as e:
+            why = f"the built kernel does not load ({e})"
+        _refusal = why
+        logger.info(f"search kernels unavailable ({why}); the SAT generator uses PyTorch's ops")
+    raise FairseqExtError(f"search kernels unavailable: {_refusal}")
+
+
+def refusal() -> Optional[str]:
+    """None when the kernel runs here, else the reason (one line)."""
+    try:
+        kernel()
+        return None
+    except FairseqExtError as e:
+        return str(e)
+
+
+def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
+                    ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For logits ``x`` [..., V] (float32 on the CPU; copied first where not contiguous): the B best
+    log-probabilities of each row over the columns not in ``skip`` and their columns ([..., B] each, best first),
+    and the log-probability of column ``keep`` ([...]). None when a row is not finite (module docstring). Needs
+    :func:`kernel`."""
+    V = x.size(-1)
+    if not 1 <= B <= V or not 0 <= keep < V:
+        raise FairseqExtError(f"log_softmax_top: B={B} and column {keep} for rows of {V}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+    rows, shape = x.numel() // V, x.shape[:-1]
+    vals = torch.empty(shape + (B,))
+    words = torch.empty(shape + (B,), dtype=torch.long)
+    keep_lp = torch.empty(shape)
+    if rows and _lib.fx_log_softmax_top(x.data_ptr(), rows, V, V, B, skip[0], skip[1], keep, vals.data_ptr(),
+                                        words.data_ptr(), keep_lp.data_ptr()):
+        return None
+    return vals, words, keep_lp
+
+
+GROUP_MAX_BEAM = 64  # the C step keeps a sentence's top B on its stack
+
+
+def enumerated_group(scores: torch.Tensor, vals: torch.Tensor, words: torch.Tensor, eos_lp: torch.Tensor, n: int,
+                     P: int, J: int, ranks: torch.Tensor, lengths: torch.Tensor):
+    """The enumerated group step of :class:`fairseq_ext.sat.generator.SATSequenceGenerator` in one C call, with the
+    same float32 numbers as its PyTorch ops (the cumulative sums in double, rounded per position). ``scores`` [N],
+    ``vals`` / ``words`` [N, K, B], ``eos_lp`` [N, K], ``ranks`` [C, K], ``lengths`` [C] (N = n * P, J positions).
+    Returns (cum [N, C, K], words [N, C, K], end [N, C], alive [N, C], fin [J, n, B]) as documented in
+    ``fairseq_ext/native/search_kernels.c``. Needs :func:`kernel` and B <= :data:`GROUP_MAX_BEAM`."""
+    N, K, B = vals.shape
+    C = ranks.size(0)
+    if B > GROUP_MAX_BEAM:
+        raise FairseqExtError(f"enumerated_group: beam {B} is over {GROUP_MAX_BEAM}")
+    scores, vals, eos_lp = (t.float().contiguous() for t in (scores, vals, eos_lp))
+    words, ranks, lengths = (t.long().contiguous() for t in (words, ranks, lengths))
+    cum = torch.empty(N, C, K)
+    cwords = torch.empty(N, C, K, dtype=torch.long)
+    end = torch.empty(N, C)
+    alive = torch.empty(N, C)
+    fin = torch.empty(J, n, B, dtype=torch.long)
+    _lib.fx_enumerated_group(scores.data_ptr(), vals.data_ptr(), words.data_ptr(), eos_lp.data_ptr(), n, P, K, B,
+                             J, ranks.data_ptr(), lengths.data_ptr(), C, cum.data_ptr(), cwords.data_ptr(),
+                             end.data_ptr(), alive.data_ptr(), fin.data_ptr())
+    return cum, cwords, end, alive, fin

@@ -1,0 +1,206 @@
+"""fairseq_ext.search_kernels: the log-softmax a beam step reads and the enumerated group step, in C.
+
+``log_softmax_top`` must give PyTorch's log-softmax values (1e-6) and a top B's words, leave rows that are not
+finite to PyTorch, and make the generator's hypotheses those of PyTorch's path; ``enumerated_group`` must give
+exactly the numbers of the PyTorch step it replaces. Where the kernels cannot run, the generator must decode
+through PyTorch's ops. The tests that run the kernels are skipped on a CPU without AVX-512F; the fallback runs
+everywhere."""
+
+import math
+
+import pytest
+import torch
+
+import fairseq_ext  # noqa: F401  (registers the plugin)
+from fairseq_ext import search_kernels
+from fairseq_ext.sat.generator import SATEnsembleModel, SATSequenceGenerator
+from tests.builders import SAT_DICT as DICT
+from tests.builders import sat_model
+from tests.test_sat import _batch, _same_hypos, _sample
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+needs_kernels = pytest.mark.skipif(search_kernels.refusal() is not None, reason=f"{search_kernels.refusal()}")
+PAD, EOS = 1, 2
+
+
+def _pytorch(x, B):
+    """What the generator's PyTorch path reads: the top B of the log-softmax without pad and EOS, and EOS."""
+    lp = torch.log_softmax(x.double(), -1).float()  # the exact log-softmax, rounded once
+    lp[..., PAD] = -math.inf
+    eos = lp[..., EOS].clone()
+    lp[..., EOS] = -math.inf
+    vals, words = lp.topk(B, dim=-1)
+    return vals, words, eos
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (4, 17), (8, 8000), (2, 8003), (3, 2, 300)])
+@pytest.mark.parametrize("B", [1, 3, 4])
+@pytest.mark.parametrize("scale", [1.0, 30.0])
+def test_log_softmax_top_equals_pytorch(shape, B, scale):
+    g = torch.Generator().manual_seed(shape[-1] + B)
+    x = torch.randn(shape, generator=g) * scale
+    x.view(-1, shape[-1])[0, -1] = -math.inf  # a word that cannot be chosen
+    vals, words, eos = search_kernels.log_softmax_top(x, B, (PAD, EOS), EOS)
+    want_vals, want_words, want_eos = _pytorch(x, B)
+    assert vals.shape == words.shape == shape[:-1] + (B,) and eos.shape == shape[:-1]
+    finite = want_vals.isfinite()
+    assert torch.equal(vals.isfinite(), finite) and torch.equal(words[finite], want_words[finite])
+    assert not ((words == PAD) | (words == EOS)).any()  # -inf places hold other words (topk's are arbitrary)
+    for got, want in ((vals[finite], want_vals[finite]), (eos, want_eos)):  # 1e-6 and 2 ulp of the exact value
+        assert ((got - want).abs() <= 1e-6 + 2.4e-7 * want.abs()).all()
+    # a view that is not contiguous: the same as its copy
+    wide = torch.cat([x, torch.randn(shape, generator=g)], -1)[..., : shape[-1]]
+    got = search_kernels.log_softmax_top(wide, B, (PAD, EOS), EOS)
+    assert all(torch.equal(a, b) for a, b in zip(got, (vals, words, eos)))
+
+
+@needs_kernels
+def test_log_softmax_top_ties_short_rows_and_rows_that_are_not_finite():
+    x = torch.tensor([[0.0, 0.0, 5.0, 1.0, 1.0, 1.0, 0.5]])
+    vals, words, eos = search_kernels.log_softmax_top(x, 3, (PAD, EOS), EOS)
+    assert words.tolist() == [[3, 4, 5]]  # equal values: the smaller word first; pad and EOS are not words here
+    assert abs(float(eos[0]) - float(torch.log_softmax(x, -1)[0, EOS])) < 1e-6
+    # fewer candidate words than B: the others score -inf
+    vals, words, _ = search_kernels.log_softmax_top(torch.tensor([[0.5, 1.0, 2.0, -1.0]]), 3, (PAD, EOS), EOS)
+    assert vals[0, :2].isfinite().all() and words[0, :2].tolist() == [0, 3] and vals[0, 2] == -math.inf
+    # only EOS finite: computed (the words score -inf)
+    x = torch.full((1, 40), -math.inf)
+    x[0, EOS] = 3.0
+    vals, _, eos = search_kernels.log_softmax_top(x, 2, (PAD, EOS), EOS)
+    assert float(eos[0]) == 0.0 and (vals == -math.inf).all()
+    for bad in ("nan", "nan-eos", "+inf", "all -inf"):
+        x = torch.randn(3, 50)
+        if bad == "nan":
+            x[1, 30] = math.nan
+        elif bad == "nan-eos":
+            x[2, EOS] = math.nan
+        elif bad == "+inf":
+            x[0, 7] = math.inf
+        else:
+            x[1] = -math.inf
+        assert search_kernels.log_softmax_top(x, 4, (PAD, EOS), EOS) is None, bad
+
+
+def _random_step_inputs(n, P, K, B, seed):
+    g = torch.Generator().manual_seed(seed)
+    N = n * P
+    scores = -torch.rand(N, generator=g) * 5
+    vals = (-torch.rand(N, K, B, generator=g) * 4).sort(-1, descending=True).values
+    vals[0, -1, -1] = -math.inf  # a position whose last word is forbidden
+    words = torch.randint(4, 500, (N, K, B), generator=g)
+    eos_lp = -torch.rand(N, K, generator=g) * 2
+    if N > 1:
+        eos_lp[-1, 0] = -math.inf  # --min-len
+    return scores, vals, words, eos_lp
+
+
+@needs_kernels
+@pytest.mark.parametrize("K,B", [(1, 1), (1, 4), (2, 4), (3, 2), (4, 4), (6, 4), (2, 7)])
+@pytest.mark.parametrize("n,P", [(1, 1), (3, 1), (1, "B"), (2, "B")])
+def test_enumerated_group_kernel_gives_the_pytorch_steps_numbers(K, B, n, P):
+    """Every output of the group step: the finished candidates of each position in rank order (row, words,
+    cumulative scores), the scores of the full-length ones and the words and scores of any chosen one."""
+    P = B if P == "B" else P
+    gen = SATSequenceGenerator([sat_model(K, seed=1)], DICT, beam_size=B)
+    cands = gen._rank_tuples(B, K, torch.device("cpu"))
+    n_ended = 0
+    for seed in range(3):
+        inputs = _random_step_inputs(n, P, K, B, seed)
+        for last in range(K):
+            outs = []
+            for native in (True, False):
+                gen.native_group_step = native
+                outs.append(gen._enumerated_group(*inputs, n, P, last, cands))
+            (fin_c, ended_c, alive_c, X_c, chosen_c), (fin_t, ended_t, alive_t, X_t, chosen_t) = outs
+            assert X_c == X_t and torch.equal(alive_c, alive_t)
+            for j in range(last + 1):
+                for s in range(n):
+                    got = [(c >= 0) and ended_c(j, s, c) for c in fin_c[j][s]]
+                    want = [(c >= 0) and ended_t(j, s, c) for c in fin_t[j][s]]
+                    assert len(got) == len(want) == B
+                    n_ended += sum(a is not False for a in got)
+                    for a, b in zip(got, want):
+                        assert (a is False) == (b is False)
+                        if a is not False:
+                            assert a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+            flat = torch.arange(n * P * X_c)
+            assert all(torch.equal(a, b) for a, b in zip(chosen_c(flat), chosen_t(flat)))
+    assert n_ended > 0  # candidates that end inside the group were compared
+
+
+@needs_kernels
+@pytest.mark.parametrize("K,beam", [(1, 1), (1, 4), (2, 1), (2, 4), (3, 3), (4, 4)])
+def test_generator_through_the_kernels_equals_pytorchs_path(K, beam, monkeypatch):
+    """The default generator reads the log-softmax through the kernel and steps through the C group step; its
+    hypotheses are those of PyTorch's ops (--min-len and --max-len both bite). A NaN in the logits of one call
+    leaves that call to PyTorch, where fairseq's rule (NaN is -inf) applies: the same hypotheses again."""
+    m = sat_model(K, seed=40 + K, eos_boost=1.5)
+    src, src_lengths, _, _ = _batch(bsz=3, src_len=6, seed=K)
+    sample = _sample(src, src_lengths)
+    opts = dict(beam_size=beam, len_penalty=0.8, max_len_a=0, max_len_b=9, min_len=3)
+    reads, steps, refused = [], [], []
+    top, group = search_kernels.log_softmax_top, search_kernels.enumerated_group
+
+    def counted_top(*a):
+        out = top(*a)
+        reads.append(1)
+        refused.append(out is None)
+        return out
+    monkeypatch.setattr(search_kernels, "log_softmax_top", counted_top)
+    monkeypatch.setattr(search_kernels, "enumerated_group", lambda *a: steps.append(1) or group(*a))
+    output_layer = m.decoder.output_layer
+    calls = []
+
+    def poisoned(x):  # NaN in one word of one row of the logits at the second call
+        x = output_layer(x)
+        calls.append(1)
+        if len(calls) == 2:
+            x[-1, 0, 7] = math.nan
+        return x
+
+    def decode(kernels, poison=False):
+        gen = SATSequenceGenerator([m], DICT, **opts)
+        assert gen.reads_top_only and gen.native_group_step
+        gen.reads_top_only = gen.native_group_step = kernels
+        calls.clear()
+        with monkeypatch.context() as patch:
+            if poison:
+                patch.setattr(m.decoder, "output_layer", poisoned)
+            return gen.generate([m], sample)
+
+    want = decode(False)
+    assert not reads and not steps
+    _same_hypos(decode(True), want, f"K={K} beam={beam}")
+    assert reads and not any(refused) and (beam == 1 or steps)
+    assert any(len(h["tokens"]) == 10 for hs in want for h in hs) or beam == 1  # --max-len reached
+    reads.clear()
+    got, want = decode(True, poison=True), decode(False, poison=True)
+    assert refused.count(True) == 1
+    # a NaN logit makes its whole row NaN, so -inf: greedy's last sentence scores -inf either way
+    for hs, ws in zip(got, want):
+        assert [h["tokens"].tolist() for h in hs] == [w["tokens"].tolist() for w in ws]
+        for h, w in zip(hs, ws):
+            assert float(h["score"]) == float(w["score"]) == -math.inf or \
+                abs(float(h["score"]) - float(w["score"])) <= 1e-5
+
+
+def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch):
+    """No AVX-512F (or no compiler): the generator decodes through PyTorch's ops, with the same hypotheses; so do
+    --unkpen (which reads every word) and --no-lean-step."""
+    m = sat_model(2, seed=5)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=6, seed=2)
+    sample = _sample(src, src_lengths)
+    opts = dict(beam_size=3, max_len_a=0, max_len_b=8, min_len=2)
+    default = SATSequenceGenerator([m], DICT, **opts)
+    want = default.generate([m], sample)
+    for kw in (dict(unk_penalty=0.5), dict(lean_step=False)):
+        assert not SATSequenceGenerator([m], DICT, **opts, **kw).reads_top_only
+    monkeypatch.setattr(search_kernels, "_lib", None)
+    monkeypatch.setattr(search_kernels, "_refusal", None)
+    monkeypatch.setattr(search_kernels, "_cpu_refusal", lambda: "this CPU lacks avx512f")
+    assert search_kernels.refusal() == "search kernels unavailable: this CPU lacks avx512f"
+    gen = SATSequenceGenerator([m], DICT, **opts)
+    assert not gen.reads_top_only and not gen.native_group_step
+    _same_hypos(gen.generate([m], sample), want, "without the kernels")
+    assert isinstance(gen.model, SATEnsembleModel)
