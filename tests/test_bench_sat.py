@@ -91,6 +91,12 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
         assert res["results"][f"{name} [float own-step]"]["decoder_step"] == "own"
         for mode in ("greedy", "beam4"):
             assert res["results"][f"{name} [float own-step]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
+    # the search kernels where they run: with the lean step both, with the decoder's own step the group step only
+    from fairseq_ext import search_kernels
+    runs = search_kernels.refusal() is None
+    assert res["results"]["ours SAT K=4"]["search_kernels"] == {"log_softmax_top": runs, "group_step": runs}
+    assert res["results"]["ours SAT K=4 [float own-step]"]["search_kernels"] == {"log_softmax_top": False,
+                                                                                "group_step": runs}
     assert res["results"]["ours SAT K=4 [float both]"]["decoder_step"] == "own"  # fast-attention's own path
     assert "decoder_step" not in res["results"]["fairseq SequenceGenerator (transformer)"]
     assert res["code"]["fairseq_ext/sat/generator.py"]["sha1"]
@@ -165,9 +171,13 @@ def test_bench_beam_parts_runs_and_accounts_for_every_part():
     lines = proc.stdout.splitlines()
     calls = next(x for x in lines if x.startswith("decoder calls per sentence")).split()[-4:]
     assert calls == ["9.0", "5.0", "3.0", "2.0"]  # ceil(9 / K) calls for 8 words + EOS
-    for label in ("decoder call", "group step", "reorder", "constraints", "the rest of the search"):
+    from fairseq_ext import search_kernels
+    kernel, pytorch = "log-softmax read by the kernel", "constraints (PyTorch's path)"
+    ran, idle = (kernel, pytorch) if search_kernels.refusal() is None else (pytorch, kernel)
+    for label in ("decoder call", "group step", "reorder", "the rest of the search", ran):
         row = next(x for x in lines if x.startswith(label)).split()[-4:]
         assert all(float(v) > 0 for v in row), label
+    assert next(x for x in lines if x.startswith(idle)).split()[-4:] == ["-"] * 4  # a part that did not run
     assert any("the generator's _reorder" in x for x in lines)
     top = lines.index(next(x for x in lines if x.startswith("operator self time per decoder call")))
     assert len(lines[top + 1:]) == 12 and all(len(x.split()) >= 4 for x in lines[top + 1:])

@@ -204,3 +204,20 @@ def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch):
     assert not gen.reads_top_only and not gen.native_group_step
     _same_hypos(gen.generate([m], sample), want, "without the kernels")
     assert isinstance(gen.model, SATEnsembleModel)
+
+
+@needs_kernels
+def test_many_rows_on_more_than_two_threads_take_pytorchs_parallel_ops():
+    gen = SATSequenceGenerator([sat_model(2, seed=1)], DICT, beam_size=4)
+    rows = search_kernels.SERIAL_MAX_ROWS // 2 + 1  # x 2 positions: just over the limit
+    x = torch.randn(rows, 2, len(DICT))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert gen._logits_top(x, 4, 0, 100) is not None
+        assert gen._logits_top(x[:-1], 4, 0, 100) is not None
+        torch.set_num_threads(3)
+        assert gen._logits_top(x, 4, 0, 100) is None
+        assert gen._logits_top(x[:-1], 4, 0, 100) is not None
+    finally:
+        torch.set_num_threads(threads)

@@ -41,6 +41,7 @@ s(h) + sum_k lp_k(v_k | h).
 A plain fairseq ``transformer`` is decoded as K = 1.
 """
 
+import logging
 import math
 from typing import Dict, List, Optional
 
@@ -64,6 +65,7 @@ from fairseq_ext.lean_decoder import (float32_on_cpu, holds_encoder_states, lean
 from fairseq_ext.sat.model import group_size
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
+logger = logging.getLogger(__name__)
 
 TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an 8,000-word row
 
@@ -213,8 +215,10 @@ class _GroupSearch(SequenceGenerator):
         :func:`fairseq_ext.search_kernels.log_softmax_top`: the B best non-EOS, non-pad log-probabilities and
         their words [N, K, B] and the EOS log-probabilities [N, K], with fairseq's rules of :meth:`_constrain`
         applied to them (nothing else reads the rest of the row: the kernel runs only without --unkpen, token
-        suppression and --no-repeat-ngram-size). None where the kernel leaves a row to PyTorch (not finite)."""
-        if x.dtype is not torch.float32 or not x.is_cpu:
+        suppression and --no-repeat-ngram-size). None where the kernel leaves a row to PyTorch (not finite), and
+        for over ``SERIAL_MAX_ROWS`` rows with more than two threads (PyTorch's ops are parallel)."""
+        if x.dtype is not torch.float32 or not x.is_cpu or (
+                x.numel() > search_kernels.SERIAL_MAX_ROWS * x.size(-1) and torch.get_num_threads() > 2):
             return None
         top = search_kernels.log_softmax_top(x, B, (self.pad, self.eos), self.eos)
         if top is None:
@@ -682,7 +686,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
         raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    return SATSequenceGenerator(
+    gen = SATSequenceGenerator(
         models,
         task.target_dictionary,
         print_alignment=getattr(args, "print_alignment", None) or None,
@@ -697,3 +701,9 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         temperature=getattr(args, "temperature", 1.0),
         no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
     )
+    why = search_kernels.refusal()
+    logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
+                f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: log-softmax top B "
+                f"{'yes' if gen.reads_top_only else 'no'}, group step {'yes' if gen.native_group_step else 'no'}"
+                + (f" ({why})" if why else ""))
+    return gen
