@@ -1,8 +1,10 @@
-"""Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/native/search_kernels.c``,
-AVX-512F intrinsics, built once with the system C compiler and cached as :mod:`fairseq_ext.amx_int8`'s kernel is).
-At batch 1 a step's PyTorch ops each cost a few microseconds whatever their size; these two replace about 35 of
-them. Where the CPU lacks AVX-512F or no C compiler builds the file, :func:`refusal` says why in one line and the
-generator keeps its PyTorch ops.
+"""Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/native/search_kernels.c``, built
+once with the system C compiler and cached as :mod:`fairseq_ext.amx_int8`'s kernel is). At batch 1 a step's
+PyTorch ops each cost a few microseconds whatever their size; these two replace about 35 of them. The group step is
+plain C; the log-softmax uses AVX-512F intrinsics (x86-64, a CPU that has them: read from /proc/cpuinfo). Where
+no C compiler builds the file (or not on a POSIX system), :func:`refusal` says why in one line and the generator
+keeps its PyTorch ops; where only the CPU lacks AVX-512F, :func:`top_refusal` says so and the log-softmax stays
+PyTorch's.
 
 * :func:`log_softmax_top` (the generator's default with the lean step; ``--no-lean-step`` turns both off). A beam
   step reads, of each row's log-softmax ``lp = log_softmax(x)`` over V words, only its B best words (EOS and pad
@@ -25,7 +27,7 @@ generator keeps its PyTorch ops.
 * :func:`enumerated_group`: the generator's enumerated group step (every parent's candidate prefixes scored at
   once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops: about
   25 ops and 100-120 us a call there, 20-30 us here. It changes no number, so the generator uses it wherever the
-  kernel runs (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
+  library builds (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
 
 Float32 on the CPU only.
 """
@@ -43,37 +45,45 @@ from fairseq_ext import amx_int8
 from fairseq_ext.errors import FairseqExtError
 
 SOURCE = Path(__file__).with_name("native") / "search_kernels.c"
-CFLAGS = ["-O3", "-mavx512f", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-shared", "-fPIC"]  # the log-softmax function asks for AVX-512F itself (target attribute)
 
 _lib = None
 _refusal = None
+_top_cpu = None  # "" once the CPU is known to run log_softmax_top, else why it cannot
 logger = logging.getLogger(__name__)
 
 
-def _cpu_refusal() -> Optional[str]:
-    if sys.platform != "linux" or not hasattr(os, "sched_getaffinity"):
-        return f"it runs on Linux only (this is {sys.platform})"
+def _platform_refusal() -> Optional[str]:
+    if os.name != "posix":
+        return f"they are built and cached on POSIX systems only (this is {sys.platform})"
+    return None
+
+
+def _avx512f_refusal() -> Optional[str]:
+    """None when the CPU has AVX-512F (read from /proc/cpuinfo: Linux), else why not."""
+    if sys.platform != "linux":
+        return f"AVX-512F is looked up in /proc/cpuinfo, on Linux only (this is {sys.platform})"
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError as e:
         return f"/proc/cpuinfo cannot be read ({e})"
-    if "avx512f" not in flags:
-        return "this CPU lacks avx512f"
-    return None
+    return None if "avx512f" in flags else "this CPU lacks avx512f"
 
 
 def kernel():
-    """The loaded library (ctypes); raises FairseqExtError with one line when it cannot run here."""
+    """The loaded library (ctypes); raises FairseqExtError with one line when it cannot be built or loaded here."""
     global _lib, _refusal
     if _lib is not None:
         return _lib
     if _refusal is None:
         try:
-            why = _cpu_refusal()
+            why = _platform_refusal()
             if why is None:
-                lib = ctypes.CDLL(str(amx_int8._build(SOURCE, CFLAGS, "AVX-512F intrinsics need gcc >= 5 or clang")))
+                lib = ctypes.CDLL(str(amx_int8._build(SOURCE, CFLAGS, "a C99 compiler with GCC's target attribute: "
+                                                                      "gcc >= 5 or clang")))
                 P, L = ctypes.c_void_p, ctypes.c_int64
+                lib.fx_log_softmax_top_built.restype = ctypes.c_int
                 lib.fx_log_softmax_top.argtypes = [P, L, L, L, ctypes.c_int, L, L, L, P, P, P]
                 lib.fx_log_softmax_top.restype = ctypes.c_int
                 lib.fx_enumerated_group.argtypes = [P, P, P, P, L, L, L, L, L, P, P, L, P, P, P, P, P]
@@ -90,7 +100,7 @@ def kernel():
 
 
 def refusal() -> Optional[str]:
-    """None when the kernel runs here, else the reason (one line)."""
+    """None when the library (the group step) runs here, else the reason (one line)."""
     try:
         kernel()
         return None
@@ -98,12 +108,31 @@ def refusal() -> Optional[str]:
         return str(e)
 
 
+def top_refusal() -> Optional[str]:
+    """None when :func:`log_softmax_top` runs here (the library and a CPU with AVX-512F), else the reason (one
+    line). The CPU is looked at once."""
+    global _top_cpu
+    why = refusal()
+    if why is not None:
+        return why
+    if _top_cpu is None:
+        cpu = _avx512f_refusal()
+        if cpu is None and not kernel().fx_log_softmax_top_built():
+            cpu = "the library was built for a CPU without AVX-512F intrinsics"
+        _top_cpu = cpu or ""
+    return f"log-softmax kernel unavailable: {_top_cpu}" if _top_cpu else None
+
+
 def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """For logits ``x`` [..., V] (float32 on the CPU; copied first where not contiguous): the B best
     log-probabilities of each row over the columns not in ``skip`` and their columns ([..., B] each, best first),
     and the log-probability of column ``keep`` ([...]). None when a row is not finite (module docstring). Raises
-    FairseqExtError where :func:`kernel` cannot run."""
+    FairseqExtError where it cannot run (:func:`top_refusal`)."""
+    if _top_cpu != "" or _lib is None:
+        why = top_refusal()
+        if why is not None:
+            raise FairseqExtError(why)
     V = x.size(-1)
     if not 1 <= B <= V or not 0 <= keep < V:
         raise FairseqExtError(f"log_softmax_top: B={B} and column {keep} for rows of {V}")

@@ -93,8 +93,8 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
             assert res["results"][f"{name} [float own-step]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
     # the search kernels where they run: with the lean step both, with the decoder's own step the group step only
     from fairseq_ext import search_kernels
-    runs = search_kernels.refusal() is None
-    assert res["results"]["ours SAT K=4"]["search_kernels"] == {"log_softmax_top": runs, "group_step": runs}
+    runs, top = search_kernels.refusal() is None, search_kernels.top_refusal() is None
+    assert res["results"]["ours SAT K=4"]["search_kernels"] == {"log_softmax_top": top, "group_step": runs}
     assert res["results"]["ours SAT K=4 [float own-step]"]["search_kernels"] == {"log_softmax_top": False,
                                                                                 "group_step": runs}
     assert res["results"]["ours SAT K=4 [float both]"]["decoder_step"] == "own"  # fast-attention's own path
@@ -173,7 +173,7 @@ def test_bench_beam_parts_runs_and_accounts_for_every_part():
     assert calls == ["9.0", "5.0", "3.0", "2.0"]  # ceil(9 / K) calls for 8 words + EOS
     from fairseq_ext import search_kernels
     kernel, pytorch = "log-softmax read by the kernel", "constraints (PyTorch's path)"
-    ran, idle = (kernel, pytorch) if search_kernels.refusal() is None else (pytorch, kernel)
+    ran, idle = (kernel, pytorch) if search_kernels.top_refusal() is None else (pytorch, kernel)
     for label in ("decoder call", "group step", "reorder", "the rest of the search", ran):
         row = next(x for x in lines if x.startswith(label)).split()[-4:]
         assert all(float(v) > 0 for v in row), label

@@ -237,7 +237,7 @@ def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, le
     opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=unkpen)
     gen = _gen([sat], lean_step=lean_step, **opts)
     assert gen.uses_lean_step == lean_step
-    assert gen.reads_top_only == (lean_step and unkpen == 0 and search_kernels.refusal() is None)
+    assert gen.reads_top_only == (lean_step and unkpen == 0 and search_kernels.top_refusal() is None)
     ours = gen.generate([sat], sample)
     theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], sample)
     _same_hypos(ours, theirs, f"beam {beam} lenpen {lenpen}", attention=True)

@@ -13,6 +13,7 @@ import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq_ext import search_kernels
+from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.sat.generator import SATEnsembleModel, SATSequenceGenerator
 from tests.builders import SAT_DICT as DICT
 from tests.builders import sat_model
@@ -20,6 +21,7 @@ from tests.test_sat import _batch, _same_hypos, _sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 needs_kernels = pytest.mark.skipif(search_kernels.refusal() is not None, reason=f"{search_kernels.refusal()}")
+needs_top = pytest.mark.skipif(search_kernels.top_refusal() is not None, reason=f"{search_kernels.top_refusal()}")
 PAD, EOS = 1, 2
 
 
@@ -33,7 +35,7 @@ def _pytorch(x, B):
     return vals, words, eos
 
 
-@needs_kernels
+@needs_top
 @pytest.mark.parametrize("shape", [(1, 5), (3, 16), (4, 17), (8, 8000), (2, 8003), (3, 2, 300)])
 @pytest.mark.parametrize("B", [1, 3, 4])
 @pytest.mark.parametrize("scale", [1.0, 30.0])
@@ -55,7 +57,7 @@ def test_log_softmax_top_equals_pytorch(shape, B, scale):
     assert all(torch.equal(a, b) for a, b in zip(got, (vals, words, eos)))
 
 
-@needs_kernels
+@needs_top
 def test_log_softmax_top_ties_short_rows_and_rows_that_are_not_finite():
     x = torch.tensor([[0.0, 0.0, 5.0, 1.0, 1.0, 1.0, 0.5]])
     vals, words, eos = search_kernels.log_softmax_top(x, 3, (PAD, EOS), EOS)
@@ -129,7 +131,7 @@ def test_enumerated_group_kernel_gives_the_pytorch_steps_numbers(K, B, n, P):
     assert n_ended > 0  # candidates that end inside the group were compared
 
 
-@needs_kernels
+@needs_top
 @pytest.mark.parametrize("K,beam", [(1, 1), (1, 4), (2, 1), (2, 4), (3, 3), (4, 4)])
 def test_generator_through_the_kernels_equals_pytorchs_path(K, beam, monkeypatch):
     """The default generator reads the log-softmax through the kernel and steps through the C group step; its
@@ -185,28 +187,53 @@ def test_generator_through_the_kernels_equals_pytorchs_path(K, beam, monkeypatch
                 abs(float(h["score"]) - float(w["score"])) <= 1e-5
 
 
-def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch):
-    """No AVX-512F (or no compiler): the generator decodes through PyTorch's ops, with the same hypotheses; so do
-    --unkpen (which reads every word) and --no-lean-step."""
+def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch, tmp_path):
+    """A CPU without AVX-512F: the group step in C, the log-softmax through PyTorch; no C compiler: PyTorch's ops
+    for both, with the reason in one line. The hypotheses are the same either way; --unkpen (which reads every
+    word) and --no-lean-step also keep PyTorch's log-softmax."""
     m = sat_model(2, seed=5)
     src, src_lengths, _, _ = _batch(bsz=2, src_len=6, seed=2)
     sample = _sample(src, src_lengths)
     opts = dict(beam_size=3, max_len_a=0, max_len_b=8, min_len=2)
-    default = SATSequenceGenerator([m], DICT, **opts)
-    want = default.generate([m], sample)
+    want = SATSequenceGenerator([m], DICT, **opts, lean_step=False).generate([m], sample)
     for kw in (dict(unk_penalty=0.5), dict(lean_step=False)):
         assert not SATSequenceGenerator([m], DICT, **opts, **kw).reads_top_only
-    monkeypatch.setattr(search_kernels, "_lib", None)
-    monkeypatch.setattr(search_kernels, "_refusal", None)
-    monkeypatch.setattr(search_kernels, "_cpu_refusal", lambda: "this CPU lacks avx512f")
-    assert search_kernels.refusal() == "search kernels unavailable: this CPU lacks avx512f"
+    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
+        monkeypatch.setattr(search_kernels, k, v)
+    monkeypatch.setattr(search_kernels, "_avx512f_refusal", lambda: "this CPU lacks avx512f")
+    assert search_kernels.top_refusal() == "log-softmax kernel unavailable: this CPU lacks avx512f"
+    with pytest.raises(FairseqExtError, match="this CPU lacks avx512f"):
+        search_kernels.log_softmax_top(torch.zeros(1, 8), 2, (PAD, EOS), EOS)
+    gen = SATSequenceGenerator([m], DICT, **opts)
+    assert not gen.reads_top_only and gen.native_group_step == (search_kernels.refusal() is None)
+    _same_hypos(gen.generate([m], sample), want, "without AVX-512F")
+    # a library built without the AVX-512F function (another CPU architecture): the same, said so
+    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
+        monkeypatch.setattr(search_kernels, k, v)
+    monkeypatch.setattr(search_kernels, "_avx512f_refusal", lambda: None)
+    monkeypatch.setattr(search_kernels, "CFLAGS", search_kernels.CFLAGS + ["-DFX_NO_AVX512"])
+    monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "other-cpu"))
+    if search_kernels.refusal() is None:
+        assert search_kernels.top_refusal() == ("log-softmax kernel unavailable: the library was built for a CPU "
+                                                "without AVX-512F intrinsics")
+        gen = SATSequenceGenerator([m], DICT, **opts)
+        assert not gen.reads_top_only and gen.native_group_step
+        _same_hypos(gen.generate([m], sample), want, "a library without the AVX-512F function")
+    # no compiler: nothing built, PyTorch's ops
+    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
+        monkeypatch.setattr(search_kernels, k, v)
+    monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    why = search_kernels.refusal()
+    assert why.startswith("search kernels unavailable: cannot run the C compiler") and "set CC" in why
+    assert search_kernels.top_refusal() == why
     gen = SATSequenceGenerator([m], DICT, **opts)
     assert not gen.reads_top_only and not gen.native_group_step
     _same_hypos(gen.generate([m], sample), want, "without the kernels")
     assert isinstance(gen.model, SATEnsembleModel)
 
 
-@needs_kernels
+@needs_top
 def test_many_rows_on_more_than_two_threads_take_pytorchs_parallel_ops():
     gen = SATSequenceGenerator([sat_model(2, seed=1)], DICT, beam_size=4)
     rows = search_kernels.SERIAL_MAX_ROWS // 2 + 1  # x 2 positions: just over the limit

@@ -1,5 +1,5 @@
 /* Two parts of a beam step, for fairseq_ext/search_kernels.py (which builds and loads this file and documents it).
- * Plain C with the compiler's AVX-512F intrinsics; no Python or PyTorch headers.
+ * Plain C (the log-softmax with the compiler's AVX-512F intrinsics); no Python or PyTorch headers.
  *
  * fx_log_softmax_top: for each row x[0..V) of logits, without writing the V log-probabilities,
  *   m = max_v x[v],  s = log sum_v exp(x[v] - m)          (log-softmax: lp[v] = (x[v] - m) - s)
@@ -9,12 +9,19 @@
  * caller then takes PyTorch's path for the call.
  *
  * fx_enumerated_group: the SAT generator's enumerated group step (below). */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
+/* fx_log_softmax_top is compiled for AVX-512F (the caller checks the CPU: fx_log_softmax_top_built() says whether
+ * this build has it); the group step is plain C for any CPU. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(FX_NO_AVX512)
+#include <immintrin.h>
+#define FX_AVX512 __attribute__((target("avx512f")))
+
+int fx_log_softmax_top_built(void) { return 1; }
+
 /* exp(x) for x <= 0 (Cephes' expf polynomial, ~1 ulp): x = n ln2 + r, |r| <= ln2 / 2, exp(x) = 2^n p(r) */
-static inline __m512 exp_nonpositive(__m512 x) {
+FX_AVX512 static inline __m512 exp_nonpositive(__m512 x) {
     x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* exp(-104) is 0 in float32; a NaN x stays NaN */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -31,7 +38,7 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 /* insert (v, j) into the B best so far (vals descending, idx), which hold `filled` entries */
-static inline void insert(float *vals, int64_t *idx, int B, int *filled, float v, int64_t j) {
+FX_AVX512 static inline void insert(float *vals, int64_t *idx, int B, int *filled, float v, int64_t j) {
     int i = *filled < B ? (*filled)++ : B - 1;
     while (i > 0 && vals[i - 1] < v) {
         vals[i] = vals[i - 1];
@@ -44,8 +51,8 @@ static inline void insert(float *vals, int64_t *idx, int B, int *filled, float v
 
 /* x: [rows, V] with row stride `stride` (floats); out_vals [rows, B], out_idx [rows, B] (int64), out_keep [rows].
  * Returns the number of rows that were not computed (not finite: see above); their outputs are unspecified. */
-int fx_log_softmax_top(const float *x, int64_t rows, int64_t V, int64_t stride, int B, int64_t skip0,
-                       int64_t skip1, int64_t keep, float *out_vals, int64_t *out_idx, float *out_keep) {
+FX_AVX512 int fx_log_softmax_top(const float *x, int64_t rows, int64_t V, int64_t stride, int B, int64_t skip0,
+                                 int64_t skip1, int64_t keep, float *out_vals, int64_t *out_idx, float *out_keep) {
     int bad = 0;
     const int64_t body = V / 16 * 16;
     const __mmask16 tail = (__mmask16)((1u << (V - body)) - 1);
@@ -103,6 +110,15 @@ int fx_log_softmax_top(const float *x, int64_t rows, int64_t V, int64_t stride, 
     }
     return bad;
 }
+#else
+int fx_log_softmax_top_built(void) { return 0; }
+int fx_log_softmax_top(const float *x, int64_t rows, int64_t V, int64_t stride, int B, int64_t skip0,
+                       int64_t skip1, int64_t keep, float *out_vals, int64_t *out_idx, float *out_keep) {
+    (void)x, (void)V, (void)stride, (void)B, (void)skip0, (void)skip1, (void)keep, (void)out_vals, (void)out_idx,
+        (void)out_keep;
+    return (int)rows; /* not built: every row left to the caller */
+}
+#endif
 
 /* The SAT generator's enumerated group step (fairseq_ext/sat/generator.py, _enumerated_group, which documents the
  * rule and its exactness) for rows = sentence * P + parent, N = n * P rows:

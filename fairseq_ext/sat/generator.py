@@ -598,7 +598,8 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     :func:`~fairseq_ext.lean_decoder.lean_takes` and ``float32_on_cpu`` allow (fairseq's and the SAT's transformer
     decoders, float32 on the CPU); ``lean_step=False``
     (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
-    :mod:`fairseq_ext.search_kernels` (C, where the CPU has AVX-512F and a C compiler builds it): with
+    :mod:`fairseq_ext.search_kernels` (C, where a C compiler builds it; the log-softmax kernel on CPUs with
+    AVX-512F): with
     ``lean_step`` and without --unkpen, token suppression or --no-repeat-ngram-size, the search reads each row's
     log-softmax through its kernel (the B best words and EOS, ~1 ulp from PyTorch's; ``reads_top_only``), and
     the enumerated group step runs in one C call with the same numbers as its PyTorch ops
@@ -621,7 +622,7 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         # the search reads the log-softmax through fairseq_ext.search_kernels where nothing else needs the row
         self.reads_top_only = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
                                and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model)
-                               and search_kernels.refusal() is None)
+                               and search_kernels.top_refusal() is None)
         # the enumerated group step in one C call where the kernel library runs here (same numbers)
         self.native_group_step = search_kernels.refusal() is None
         self.print_alignment = print_alignment
@@ -701,7 +702,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         temperature=getattr(args, "temperature", 1.0),
         no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
     )
-    why = search_kernels.refusal()
+    why = search_kernels.top_refusal()
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
                 f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: log-softmax top B "
                 f"{'yes' if gen.reads_top_only else 'no'}, group step {'yes' if gen.native_group_step else 'no'}"
