@@ -34,19 +34,13 @@ another user owns or that group or others can write is refused. ``CC`` picks the
 """
 
 import ctypes
-import hashlib
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.native_library import NativeLibrary, build, cpu_flags
 
 SOURCE = Path(__file__).with_name("native") / "amx_int8.c"
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mamx-tile", "-mamx-int8", "-shared",
@@ -56,107 +50,46 @@ CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mamx-t
 THREADED_WORK = 1 << 28
 CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 
-_lib = None  # the loaded kernel library
-_refusal = None  # why it cannot run here (one line), once known
-
 
 def _cpu_refusal() -> Optional[str]:
-    if sys.platform != "linux" or not hasattr(os, "sched_getaffinity"):
-        return f"it runs on Linux only (this is {sys.platform})"
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError as e:
-        return f"/proc/cpuinfo cannot be read ({e})"
+        flags = cpu_flags()
+    except FairseqExtError as e:
+        return str(e)
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing:
         return f"this CPU lacks {', '.join(missing)} (AMX int8 needs Intel Sapphire Rapids or later)"
     return None
 
 
-def _build(source: Path = SOURCE, cflags: List[str] = CFLAGS,
-           needs: str = "AMX intrinsics need gcc >= 11 or clang >= 12") -> Path:
-    """The kernel library, compiled from ``source`` (default :data:`SOURCE`) on first use and cached by the
-    source's and flags' hash; ``needs`` (what the compiler must support) goes into the refusal of a failed build.
-    :mod:`fairseq_ext.search_kernels` builds its kernel through it too."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if not cc:
-        raise FairseqExtError("no C compiler found (set CC or install gcc >= 11)")
-    command = shlex.split(cc)  # CC may carry a wrapper or flags ("ccache gcc")
-    tag = hashlib.sha256(source.read_bytes() + " ".join(command + cflags).encode()).hexdigest()[:16]
-    cache = os.environ.get("FAIRSEQ_EXT_CACHE")
-    if not cache:
-        try:
-            cache = Path.home() / ".cache" / "fairseq_ext"
-        except RuntimeError:  # no home directory (some CI and container users)
-            cache = Path(tempfile.gettempdir()) / f"fairseq_ext-{os.getuid()}"
-    cache = Path(cache)
-    lib = cache / f"{source.stem}-{tag}.so"
-    try:
-        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = cache.stat()
-    except OSError as e:
-        raise FairseqExtError(f"cannot write the built kernel to {cache} ({e}); set FAIRSEQ_EXT_CACHE")
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:  # a library found there is loaded: nobody else may write
-        raise FairseqExtError(f"{cache} is not a directory of this user's alone (owner or group/other write); "
-                              f"set FAIRSEQ_EXT_CACHE to one")
-    if lib.exists():
-        return lib
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-    except OSError as e:
-        raise FairseqExtError(f"cannot write the built kernel to {cache} ({e}); set FAIRSEQ_EXT_CACHE")
-    try:
-        try:
-            run = subprocess.run([*command, *cflags, str(source), "-o", tmp], capture_output=True, text=True)
-        except OSError as e:
-            raise FairseqExtError(f"cannot run the C compiler {cc!r} ({e}); set CC")
-        if run.returncode != 0:
-            first = next((line for line in run.stderr.splitlines() if "error" in line), run.stderr.strip()[:200])
-            raise FairseqExtError(f"{cc} could not build {source.name} ({needs}): {first}")
-        os.replace(tmp, lib)  # atomic: a concurrent build leaves one complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
+def _declare(lib) -> Optional[str]:
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.fx_amx_init.restype = I
+    lib.fx_amx_packed_bytes.argtypes, lib.fx_amx_packed_bytes.restype = [I, I], ctypes.c_size_t
+    lib.fx_amx_pack.argtypes, lib.fx_amx_pack.restype = [P, I, I, P], None
+    lib.fx_amx_linear.argtypes, lib.fx_amx_linear.restype = [P, I, I, P, P, P, I, P, I], I
+    if lib.fx_amx_init() != 0:
+        return "the operating system refused the AMX tile state (Linux 5.16 or later grants it)"
+    return None
+
+
+NEEDS = "AMX intrinsics need gcc >= 11 or clang >= 12"
+LIBRARY = NativeLibrary("AMX int8 kernel", SOURCE, CFLAGS, NEEDS, lambda: _cpu_refusal(), _declare)
+
+
+def _build() -> Path:
+    """The kernel library, compiled on first use and cached (:func:`fairseq_ext.native_library.build`)."""
+    return build(SOURCE, CFLAGS, NEEDS)
 
 
 def kernel():
     """The loaded kernel (ctypes library); raises FairseqExtError with one line when it cannot run here."""
-    global _lib, _refusal
-    if _lib is not None:
-        return _lib
-    if _refusal is None:
-        try:
-            why = _cpu_refusal()
-            if why is None:
-                lib = ctypes.CDLL(str(_build()))
-                P, I = ctypes.c_void_p, ctypes.c_int
-                lib.fx_amx_init.restype = I
-                lib.fx_amx_packed_bytes.argtypes, lib.fx_amx_packed_bytes.restype = [I, I], ctypes.c_size_t
-                lib.fx_amx_pack.argtypes, lib.fx_amx_pack.restype = [P, I, I, P], None
-                lib.fx_amx_linear.argtypes, lib.fx_amx_linear.restype = [P, I, I, P, P, P, I, P, I], I
-                if lib.fx_amx_init() != 0:
-                    why = "the operating system refused the AMX tile state (Linux 5.16 or later grants it)"
-                else:
-                    _lib = lib
-                    return lib
-        except FairseqExtError as e:
-            why = str(e)
-        except OSError as e:
-            why = f"the built kernel does not load ({e})"
-        _refusal = why
-    raise FairseqExtError(f"AMX int8 kernel unavailable: {_refusal}")
+    return LIBRARY.load()
 
 
 def refusal() -> Optional[str]:
     """None when the kernel runs here, else the reason (one line)."""
-    try:
-        kernel()
-        return None
-    except FairseqExtError as e:
-        return str(e)
+    return LIBRARY.refusal()
 
 
 class AmxInt8Linear(torch.nn.Module):
@@ -210,7 +143,7 @@ class AmxInt8Linear(torch.nn.Module):
             x = x.contiguous()
         M = x.numel() // K
         out = torch.empty(x.shape[:-1] + (N,))  # no reshape or view: each costs microseconds per call
-        if M and _lib.fx_amx_linear(x.data_ptr(), M, K, self.packed.data_ptr(), self.weight_scale.data_ptr(),
+        if M and LIBRARY.lib.fx_amx_linear(x.data_ptr(), M, K, self.packed.data_ptr(), self.weight_scale.data_ptr(),
                                     0 if self.bias is None else self.bias.data_ptr(), N, out.data_ptr(),
                                     torch.get_num_threads() if M * N * K >= THREADED_WORK else 1):
             raise MemoryError(f"AmxInt8Linear: no memory for {M} x {K} quantised inputs")

@@ -1,5 +1,5 @@
 """Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/native/search_kernels.c``, built
-once with the system C compiler and cached as :mod:`fairseq_ext.amx_int8`'s kernel is). At batch 1 a step's
+once with the system C compiler and cached: :mod:`fairseq_ext.native_library`). At batch 1 a step's
 PyTorch ops each cost a few microseconds whatever their size; these two replace about 35 of them. The group step is
 plain C; the log-softmax uses AVX-512F intrinsics (x86-64, a CPU that has them: read from /proc/cpuinfo). Where
 no C compiler builds the file (or not on a POSIX system), :func:`refusal` says why in one line and the generator
@@ -33,7 +33,6 @@ Float32 on the CPU only.
 """
 
 import ctypes
-import logging
 import os
 import sys
 from pathlib import Path
@@ -41,16 +40,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from fairseq_ext import amx_int8
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.native_library import NativeLibrary, cpu_flags
 
 SOURCE = Path(__file__).with_name("native") / "search_kernels.c"
 CFLAGS = ["-O3", "-shared", "-fPIC"]  # the log-softmax function asks for AVX-512F itself (target attribute)
 
-_lib = None
-_refusal = None
 _top_cpu = None  # "" once the CPU is known to run log_softmax_top, else why it cannot
-logger = logging.getLogger(__name__)
 
 
 def _platform_refusal() -> Optional[str]:
@@ -61,51 +57,34 @@ def _platform_refusal() -> Optional[str]:
 
 def _avx512f_refusal() -> Optional[str]:
     """None when the CPU has AVX-512F (read from /proc/cpuinfo: Linux), else why not."""
-    if sys.platform != "linux":
-        return f"AVX-512F is looked up in /proc/cpuinfo, on Linux only (this is {sys.platform})"
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError as e:
-        return f"/proc/cpuinfo cannot be read ({e})"
-    return None if "avx512f" in flags else "this CPU lacks avx512f"
+        return None if "avx512f" in cpu_flags() else "this CPU lacks avx512f"
+    except FairseqExtError as e:
+        return f"AVX-512F is looked up in /proc/cpuinfo: {e}"
+
+
+def _declare(lib) -> Optional[str]:
+    P, L = ctypes.c_void_p, ctypes.c_int64
+    lib.fx_log_softmax_top_built.restype = ctypes.c_int
+    lib.fx_log_softmax_top.argtypes = [P, L, L, L, ctypes.c_int, L, L, L, P, P, P]
+    lib.fx_log_softmax_top.restype = ctypes.c_int
+    lib.fx_enumerated_group.argtypes = [P, P, P, P, L, L, L, L, L, P, P, L, P, P, P, P, P]
+    lib.fx_enumerated_group.restype = None
+    return None
+
+
+LIBRARY = NativeLibrary("search kernels", SOURCE, CFLAGS, "a C99 compiler with GCC's target attribute: gcc >= 5 "
+                        "or clang", lambda: _platform_refusal(), _declare)
 
 
 def kernel():
     """The loaded library (ctypes); raises FairseqExtError with one line when it cannot be built or loaded here."""
-    global _lib, _refusal
-    if _lib is not None:
-        return _lib
-    if _refusal is None:
-        try:
-            why = _platform_refusal()
-            if why is None:
-                lib = ctypes.CDLL(str(amx_int8._build(SOURCE, CFLAGS, "a C99 compiler with GCC's target attribute: "
-                                                                      "gcc >= 5 or clang")))
-                P, L = ctypes.c_void_p, ctypes.c_int64
-                lib.fx_log_softmax_top_built.restype = ctypes.c_int
-                lib.fx_log_softmax_top.argtypes = [P, L, L, L, ctypes.c_int, L, L, L, P, P, P]
-                lib.fx_log_softmax_top.restype = ctypes.c_int
-                lib.fx_enumerated_group.argtypes = [P, P, P, P, L, L, L, L, L, P, P, L, P, P, P, P, P]
-                lib.fx_enumerated_group.restype = None
-                _lib = lib
-                return lib
-        except FairseqExtError as e:
-            why = str(e)
-        except OSError as e:
-            why = f"the built kernel does not load ({e})"
-        _refusal = why
-        logger.info(f"search kernels unavailable ({why}); the SAT generator uses PyTorch's ops")
-    raise FairseqExtError(f"search kernels unavailable: {_refusal}")
+    return LIBRARY.load()
 
 
 def refusal() -> Optional[str]:
     """None when the library (the group step) runs here, else the reason (one line)."""
-    try:
-        kernel()
-        return None
-    except FairseqExtError as e:
-        return str(e)
+    return LIBRARY.refusal()
 
 
 def top_refusal() -> Optional[str]:
@@ -129,7 +108,7 @@ def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
     log-probabilities of each row over the columns not in ``skip`` and their columns ([..., B] each, best first),
     and the log-probability of column ``keep`` ([...]). None when a row is not finite (module docstring). Raises
     FairseqExtError where it cannot run (:func:`top_refusal`)."""
-    if _top_cpu != "" or _lib is None:
+    if _top_cpu != "" or LIBRARY.lib is None:
         why = top_refusal()
         if why is not None:
             raise FairseqExtError(why)
@@ -142,8 +121,7 @@ def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
     vals = torch.empty(shape + (B,))
     words = torch.empty(shape + (B,), dtype=torch.long)
     keep_lp = torch.empty(shape)
-    lib = _lib or kernel()
-    if rows and lib.fx_log_softmax_top(x.data_ptr(), rows, V, V, B, skip[0], skip[1], keep, vals.data_ptr(),
+    if rows and LIBRARY.lib.fx_log_softmax_top(x.data_ptr(), rows, V, V, B, skip[0], skip[1], keep, vals.data_ptr(),
                                        words.data_ptr(), keep_lp.data_ptr()):
         return None
     return vals, words, keep_lp
@@ -171,8 +149,7 @@ def enumerated_group(scores: torch.Tensor, vals: torch.Tensor, words: torch.Tens
     end = torch.empty(N, C)
     alive = torch.empty(N, C)
     fin = torch.empty(J, n, B, dtype=torch.long)
-    lib = _lib or kernel()
-    lib.fx_enumerated_group(scores.data_ptr(), vals.data_ptr(), words.data_ptr(), eos_lp.data_ptr(), n, P, K, B, J,
-                            ranks.data_ptr(), lengths.data_ptr(), C, cum.data_ptr(), cwords.data_ptr(),
-                            end.data_ptr(), alive.data_ptr(), fin.data_ptr())
+    kernel().fx_enumerated_group(scores.data_ptr(), vals.data_ptr(), words.data_ptr(), eos_lp.data_ptr(), n, P, K,
+                                 B, J, ranks.data_ptr(), lengths.data_ptr(), C, cum.data_ptr(), cwords.data_ptr(),
+                                 end.data_ptr(), alive.data_ptr(), fin.data_ptr())
     return cum, cwords, end, alive, fin

@@ -139,15 +139,15 @@ def test_amx_linear_refuses_what_it_does_not_compute():
 
 
 def test_amx_flags_are_refused_with_one_line_where_the_kernel_cannot_run(monkeypatch, tmp_path):
-    monkeypatch.setattr(amx_int8, "_lib", None)
-    monkeypatch.setattr(amx_int8, "_refusal", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "lib", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "why", None)
     monkeypatch.setattr(amx_int8, "_cpu_refusal", lambda: "this CPU lacks amx_int8 (AMX int8 needs ...)")
     with pytest.raises(FairseqExtError) as e:
         apply_speedups(sat_model(2), "amx-int8-decoder", flag="--inference-speedups")
     assert str(e.value) == ("amx-int8-decoder: AMX int8 kernel unavailable: this CPU lacks amx_int8 (AMX int8 "
                             "needs ...); decode with int8-decoder / int8-encoder instead")
     # a compiler that fails: its first error line, and nothing half-written in the cache
-    monkeypatch.setattr(amx_int8, "_refusal", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "why", None)
     monkeypatch.setattr(amx_int8, "_cpu_refusal", lambda: None)
     monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path))
     fake = tmp_path / "fake-cc"
@@ -158,7 +158,7 @@ def test_amx_flags_are_refused_with_one_line_where_the_kernel_cannot_run(monkeyp
                                               "build amx_int8.c .*: amx_int8.c:1: error: unknown option"):
         apply_speedups(sat_model(2), "amx-int8-encoder")
     assert list(tmp_path.iterdir()) == [fake]
-    monkeypatch.setattr(amx_int8, "_refusal", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "why", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))  # a compiler that is not there
     with pytest.raises(FairseqExtError, match="cannot run the C compiler .*no-such-cc.*; set CC"):
         apply_speedups(sat_model(2), "amx-int8-decoder")
@@ -166,8 +166,8 @@ def test_amx_flags_are_refused_with_one_line_where_the_kernel_cannot_run(monkeyp
 
 @needs_amx
 def test_amx_kernel_is_built_once_into_the_cache(monkeypatch, tmp_path):
-    monkeypatch.setattr(amx_int8, "_lib", None)
-    monkeypatch.setattr(amx_int8, "_refusal", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "lib", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "why", None)
     monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "cache"))
     lib = amx_int8._build()
     assert lib.parent == tmp_path / "cache" and lib.name.startswith("amx_int8-") and lib.suffix == ".so"

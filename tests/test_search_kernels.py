@@ -187,6 +187,12 @@ def test_generator_through_the_kernels_equals_pytorchs_path(K, beam, monkeypatch
                 abs(float(h["score"]) - float(w["score"])) <= 1e-5
 
 
+def _forget_the_library(monkeypatch):
+    monkeypatch.setattr(search_kernels.LIBRARY, "lib", None)
+    monkeypatch.setattr(search_kernels.LIBRARY, "why", None)
+    monkeypatch.setattr(search_kernels, "_top_cpu", None)
+
+
 def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch, tmp_path):
     """A CPU without AVX-512F: the group step in C, the log-softmax through PyTorch; no C compiler: PyTorch's ops
     for both, with the reason in one line. The hypotheses are the same either way; --unkpen (which reads every
@@ -198,8 +204,7 @@ def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch, t
     want = SATSequenceGenerator([m], DICT, **opts, lean_step=False).generate([m], sample)
     for kw in (dict(unk_penalty=0.5), dict(lean_step=False)):
         assert not SATSequenceGenerator([m], DICT, **opts, **kw).reads_top_only
-    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
-        monkeypatch.setattr(search_kernels, k, v)
+    _forget_the_library(monkeypatch)
     monkeypatch.setattr(search_kernels, "_avx512f_refusal", lambda: "this CPU lacks avx512f")
     assert search_kernels.top_refusal() == "log-softmax kernel unavailable: this CPU lacks avx512f"
     with pytest.raises(FairseqExtError, match="this CPU lacks avx512f"):
@@ -208,10 +213,9 @@ def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch, t
     assert not gen.reads_top_only and gen.native_group_step == (search_kernels.refusal() is None)
     _same_hypos(gen.generate([m], sample), want, "without AVX-512F")
     # a library built without the AVX-512F function (another CPU architecture): the same, said so
-    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
-        monkeypatch.setattr(search_kernels, k, v)
+    _forget_the_library(monkeypatch)
     monkeypatch.setattr(search_kernels, "_avx512f_refusal", lambda: None)
-    monkeypatch.setattr(search_kernels, "CFLAGS", search_kernels.CFLAGS + ["-DFX_NO_AVX512"])
+    monkeypatch.setattr(search_kernels.LIBRARY, "cflags", search_kernels.CFLAGS + ["-DFX_NO_AVX512"])
     monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "other-cpu"))
     if search_kernels.refusal() is None:
         assert search_kernels.top_refusal() == ("log-softmax kernel unavailable: the library was built for a CPU "
@@ -220,8 +224,7 @@ def test_generator_uses_pytorchs_ops_where_the_kernels_cannot_run(monkeypatch, t
         assert not gen.reads_top_only and gen.native_group_step
         _same_hypos(gen.generate([m], sample), want, "a library without the AVX-512F function")
     # no compiler: nothing built, PyTorch's ops
-    for k, v in (("_lib", None), ("_refusal", None), ("_top_cpu", None)):
-        monkeypatch.setattr(search_kernels, k, v)
+    _forget_the_library(monkeypatch)
     monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     why = search_kernels.refusal()
