@@ -9,24 +9,25 @@ PyTorch's.
 * :func:`log_softmax_top` (the generator's default with the lean step; ``--no-lean-step`` turns both off). A beam
   step reads, of each row's log-softmax ``lp = log_softmax(x)`` over V words, only its B best words (EOS and pad
   excluded) and the EOS column. PyTorch writes the whole row, then the search masks pad and EOS and ranks the row
-  again: on the quickstart's 8,000 words 59 us for 4 rows and 83 us for 8 (one thread, with
-  :func:`fairseq_ext.sat.generator.top_b`), most of it per call. The kernel reads each row twice:
+  again (:func:`fairseq_ext.sat.generator.top_b`): on the quickstart's 8,000 words 49 us for 4 rows and 71 us
+  for 8, one thread (``python benchmarks/bench_kernels.py --parts 6``). The kernel reads each row twice:
 
       m = max_v x[v],   s = log sum_v exp(x[v] - m),   lp[v] = (x[v] - m) - s     (PyTorch's order of operations)
 
   keeping the B largest x[v] of the candidate columns on the way (a block of 16 is looked at only when one of its
-  values beats the B-th so far): 12.5 / 20 us for 4 / 8 rows. The values are PyTorch's log-softmax up to the
+  values beats the B-th so far): 16 / 23 us for 4 / 8 rows. The values are PyTorch's log-softmax up to the
   exponential (a degree-6 polynomial after Cephes' ``expf``, ~1 ulp) and the order of the sum: within 1e-6 plus
   2 ulp of the exact log-softmax (``tests/test_search_kernels.py``); the words are those of a top B of
   PyTorch's row, equal values ranking the smaller word first. A row whose maximum or sum is not finite (a NaN
   anywhere, +inf, every value -inf) is not computed: the call returns None and the caller takes PyTorch's path,
-  where fairseq's rules for those apply. The kernel runs on the calling thread (3 us a row of 8,000; PyTorch's
-  ops 9 us a row on one thread, 4.6 on two, measured on 512 rows), so the generator leaves calls of over
-  :data:`SERIAL_MAX_ROWS` rows to PyTorch when it has more than two threads (batched decoding on a larger
-  machine).
+  where fairseq's rules for those apply. The kernel runs on the calling thread (2.8 us a row of 8,000 at 512
+  rows; PyTorch's ops 8.1 us a row on one thread, 4.4 on two: the same command with ``--threads 2``), so the
+  generator leaves calls of over :data:`SERIAL_MAX_ROWS` rows to PyTorch when it has more than two threads
+  (batched decoding on a larger machine).
 * :func:`enumerated_group`: the generator's enumerated group step (every parent's candidate prefixes scored at
-  once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops: about
-  25 ops and 100-120 us a call there, 20-30 us here. It changes no number, so the generator uses it wherever the
+  once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops:
+  about 25 ops and 37-47 us a call in isolation for K = 2-6 (the same command), 11-16 us here; in a search,
+  where each op costs more, 94-111 us against 24-32 us (``benchmarks/bench_beam_parts.py``). It changes no number, so the generator uses it wherever the
   library builds (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
 
 Float32 on the CPU only.

@@ -137,7 +137,8 @@ def test_bench_beam_rows_runs_and_checks_top_b():
 def test_bench_kernels_runs_and_checks_both_kernels():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_kernels.py"), "--vocab", "600",
                            "--dim", "32", "--rows", "2", "16", "--batches", "1", "2", "--cached", "3",
-                           "--qkv-rows", "3", "--ffn", "48", "--heads", "2", "--layers", "2", "--src-lens", "5"],
+                           "--qkv-rows", "3", "--ffn", "48", "--heads", "2", "--layers", "2", "--src-lens", "5",
+                           "--search-rows", "2", "16"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
@@ -155,11 +156,20 @@ def test_bench_kernels_runs_and_checks_both_kernels():
     rows = [x.split() for x in lines[part4 + 2: part5]]  # lean encoder: float32 gives fairseq's, int8 close to it
     assert [(r[0], r[1]) for r in rows] == [("5", "float"), ("5", "int8")]
     assert float(rows[0][5]) < 1e-6 and float(rows[1][5]) < 0.1
+    part6 = lines.index(next(x for x in lines if x.startswith("6a. ")))
     if "skipped" not in lines[part5 + 1]:  # AMX int8 against fbgemm for each product of the model, 3 rows
-        amx = [x.split() for x in lines[part5 + 2:]]
+        amx = [x.split() for x in lines[part5 + 2: part6]]
         assert [(r[0], r[2], r[3]) for r in amx] == [("32", "32", "3"), ("96", "32", "3"), ("48", "32", "3"),
                                                      ("32", "48", "3"), ("600", "32", "3")]
         assert all(float(r[8]) < 0.02 for r in amx)  # the AMX product's error against float32, relative
+    # the search kernels against PyTorch's path (the script checks the words and the group step's numbers equal)
+    part6b = lines.index(next(x for x in lines if x.startswith("6b. ")))
+    from fairseq_ext import search_kernels
+    if search_kernels.top_refusal() is None:
+        rows = [x.split() for x in lines[part6 + 2: part6b]]
+        assert [r[0] for r in rows] == ["2", "16"] and all(float(r[4]) < 1e-5 for r in rows)
+    if search_kernels.refusal() is None:
+        assert [x.split()[0] for x in lines[part6b + 2:]] == ["1", "2", "4", "6"]
 
 
 def test_bench_beam_parts_runs_and_accounts_for_every_part():
