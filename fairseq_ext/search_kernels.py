@@ -123,7 +123,7 @@ def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
     words = torch.empty(shape + (B,), dtype=torch.long)
     keep_lp = torch.empty(shape)
     if rows and LIBRARY.lib.fx_log_softmax_top(x.data_ptr(), rows, V, V, B, skip[0], skip[1], keep, vals.data_ptr(),
-                                       words.data_ptr(), keep_lp.data_ptr()):
+                                               words.data_ptr(), keep_lp.data_ptr()):
         return None
     return vals, words, keep_lp
 

@@ -405,13 +405,17 @@ class _GroupSearch(SequenceGenerator):
                           (lengths != K).view(1, C))
         return cache[key][1:]
 
+    def _group_step_in_c(self, B: int, device) -> bool:
+        """Whether the enumerated step runs as one C call (:func:`fairseq_ext.search_kernels.enumerated_group`)."""
+        return self.native_group_step and device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
+
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
         one cumulative sum and one top-B for all positions, instead of a prune per position."""
         ranks, lengths, length_list = cands
         N, K, B = vals.shape
         C, J = ranks.size(0), last + 1
-        if self.native_group_step and vals.is_cpu and B <= search_kernels.GROUP_MAX_BEAM:
+        if self._group_step_in_c(B, vals.device):
             # the same step in one C call (the same float32 numbers): candidates as parent * C + c
             cum, c_words, end, alive, fin = search_kernels.enumerated_group(scores, vals, words, eos_lp, n, P, J,
                                                                             ranks, lengths)
@@ -516,8 +520,7 @@ class _GroupSearch(SequenceGenerator):
         # the group step, chosen once per search: the enumeration, in one C call where the kernel runs
         # (native_group_step); in PyTorch ops K = 1 (one position, fairseq's beam) prunes with a single top B, fewer
         # ops than the enumeration; so does a beam with too many rank tuples
-        native = self.native_group_step and dev.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
-        cands = self._rank_tuples(B, K, dev) if K > 1 or native else None
+        cands = self._rank_tuples(B, K, dev) if K > 1 or self._group_step_in_c(B, dev) else None
         enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
         group_step = self._enumerated_group if enumerate_ else self._pruned_group
         top_only = self.reads_top_only
