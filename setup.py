@@ -31,7 +31,7 @@ setup(
     license="MIT",
     license_files=["LICENSE", "NOTICE"],
     packages=find_packages(include=["fairseq_ext", "fairseq_ext.*"]),
-    package_data={"fairseq_ext": ["native/*.c"]},  # C sources built on first use (amx_int8.py, search_kernels.py)
+    package_data={"fairseq_ext.inference": ["kernels/*.c"], "fairseq_ext.sat": ["kernels/*.c"]},  # C, built on use
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
     extras_require={

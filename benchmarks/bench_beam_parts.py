@@ -74,7 +74,7 @@ def main(argv=None):
     import torch
     from fairseq.models import FairseqIncrementalDecoder
 
-    from fairseq_ext.inference import apply_speedups
+    from fairseq_ext.inference.speedups import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     torch.set_num_threads(a.threads)

@@ -5,7 +5,7 @@
 2. ``lean-decoder``'s key/value cache reorder after a beam step: a fresh ``index_select`` of the whole buffer
    (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer);
 3. ``lean-decoder`` with int8 projections: the self-attention's three int8 q/k/v calls against the one call of
-   ``fused_qkv_int8`` (checked equal bit for bit);
+   ``fused_qkv`` (checked equal bit for bit);
 4. ``lean-encoder`` (docs/sat_transformer.md, run L): a fairseq transformer encoder (--dim, --ffn, --heads,
    --layers) on one source of each of --src-lens tokens, fairseq's layers against the lean ones, float32 (largest
    difference printed) and with int8 projections (``int8-encoder``);
@@ -39,10 +39,10 @@ import warnings
 import torch
 
 from bench_beam_rows import best_us as best_of_5_us
-from fairseq_ext import amx_int8
-from fairseq_ext.inference import Int8RowsLinear, _amx_int8, _quantize, quantize_encoder
-from fairseq_ext.lean_decoder import fused_qkv_int8, reorder_cache
-from fairseq_ext.lean_encoder import lean_encoder
+from fairseq_ext.inference import amx_int8
+from fairseq_ext.inference.speedups import Int8RowsLinear, _amx_int8, _quantize, quantize_encoder
+from fairseq_ext.inference.lean_decoder import fused_qkv, reorder_cache
+from fairseq_ext.inference.lean_encoder import lean_encoder
 
 
 def best_us(fn, budget_s: float = 0.05) -> float:
@@ -118,7 +118,7 @@ def int8_qkv(a):
     with torch.inference_mode():
         for R in a.qkv_rows:
             x = torch.randn(R, 1, a.dim)
-            fused = fused_qkv_int8(att)
+            fused = fused_qkv(att)
             if not all(torch.equal(f, m(x)) for f, m in zip(fused(x).chunk(3, dim=-1),
                                                              (att.q_proj, att.k_proj, att.v_proj))):
                 raise SystemExit(f"fused int8 q/k/v differ from the three calls for {R} rows")  # pragma: no cover
@@ -191,7 +191,7 @@ def amx_products(a):
 def search_kernels_part(a):
     import math
 
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     from fairseq_ext.sat.generator import _GroupSearch, top_b
 
     B, pad, eos = a.beam, 1, 2

@@ -90,8 +90,7 @@ INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int
                  "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder",
                  "amx": "amx-int8-decoder,amx-int8-encoder",
                  "amx-lean": "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"}
-FLOAT_SPEEDUPS = {"prepack": "prepack", "attention": "fast-attention", "both": "fast-attention,prepack",
-                  "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
+FLOAT_SPEEDUPS = {"prepack": "prepack", "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
                   "lean-decoder": "lean-decoder", "own-step": ""}
 CPU_TARGETS = {"greedy": {2: 1.5, 4: 2.7, 6: 3.4}, "beam4": {2: 1.8, 4: 3.0, 6: 3.6}}
 K1_VS_BASELINE_REV = 1.2  # ours K=1 against --baseline-rev's K=1 (issue 17)
@@ -129,20 +128,17 @@ def parse_args(argv=None):
                    help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); 'all-lean': 'all' with "
-                        "the lean incremental decoder step and encoder layers (fairseq_ext.lean_decoder, "
+                        "the lean incremental decoder step and encoder layers (fairseq_ext.inference.lean_decoder, "
                         "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; 'amx': every "
                         "decoder and encoder nn.Linear on AMX int8 tiles (fairseq_ext.amx_int8; skipped with a note "
                         "where the CPU lacks AMX); 'amx-lean': 'amx' with the lean decoder step and encoder layers; "
                         "repeatable")
     p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
-                   help="also measure our K=1 and SATs in float32 after fairseq_ext.inference.prepack_output "
-                        "('prepack': the softmax projection through MKL's packed GEMM), fast_attention ('attention': "
-                        "fused QKV, scaled_dot_product_attention, preallocated key/value cache), both, the lean "
-                        "decoder step and encoder layers ('lean': fairseq_ext.lean_decoder, lean_encoder), lean and "
-                        "prepack ('lean-prepack'), the lean decoder step alone ('lean-decoder'), or the decoder's "
-                        "own step and PyTorch's log-softmax instead of the generator's defaults ('own-step': "
-                        "--no-lean-step); "
-                        "repeatable")
+                   help="also measure our K=1 and SATs in float32 after the speed-ups of fairseq_ext.inference: "
+                        "'prepack' (the softmax projection through MKL's packed GEMM), 'lean' (the lean decoder step "
+                        "mixed into the decoder and the lean encoder layers), 'lean-prepack', 'lean-decoder' (the "
+                        "lean step alone), or 'own-step' (the decoder's own step and PyTorch's log-softmax instead "
+                        "of the generator's defaults: --no-lean-step); repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -288,8 +284,8 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext import amx_int8
-    from fairseq_ext.inference import apply_speedups
+    from fairseq_ext.inference import amx_int8
+    from fairseq_ext.inference.speedups import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     code = git_info()

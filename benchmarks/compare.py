@@ -43,7 +43,7 @@ Writes ``WORKDIR/results.json``, ``DOCS/results.json``, ``DOCS/RESULTS.md`` (the
 ``commentary`` markers is kept on a re-run) and the PNG figures in ``DOCS``. Each model's result is stored with
 a hash of its settings: a re-run skips models that finished with the same settings. ``--smoke`` runs every step
 on a slice of the corpus (compare_specs.SMOKE_LINES) with tiny models and a few updates (used by
-tests/test_compare.py).
+tests/core/test_compare.py).
 """
 
 import argparse

@@ -5,6 +5,7 @@ versions it was checked against (:data:`CHECKED_VERSIONS`: ``fairseq-fixed`` 0.1
 Python 3.11 fixes); on another fairseq a warning names the fixes left out, and fairseq behaves as shipped.
 """
 
+import functools
 import logging
 
 import numpy as np
@@ -122,6 +123,66 @@ def fix_resume_rebuilds_batches_with_epoch_seed():
         checkpoint_utils.load_checkpoint = load_checkpoint
 
 
+def fix_load_error_hides_cause():
+    """``Trainer.load_checkpoint`` turns every error of loading the model's weights into "Cannot load model
+    parameters from checkpoint ..." with a traceback; when the cause is one of our one-line errors (e.g. a BERT
+    directory whose weights do not match the checkpoint), that error is shown instead."""
+    from fairseq.trainer import Trainer
+
+    from fairseq_ext.errors import FairseqExtError
+
+    original = Trainer.load_checkpoint
+    if getattr(original, "_fairseq_ext_shows_cause", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc.__context__, FairseqExtError) and not isinstance(exc, FairseqExtError):
+                raise exc.__context__ from None
+            raise
+
+    load_checkpoint._fairseq_ext_shows_cause = True
+    Trainer.load_checkpoint = load_checkpoint
+
+
+def fix_reset_optimizer_restarts_schedule():
+    """``fairseq-train --restore-file PREV.pt --reset-optimizer`` restarts the update counter and the LR schedule
+    with the optimizer (inverse_sqrt then warms up to its peak again). For a task that sets
+    ``continues_schedule_after_reset_optimizer`` (``translation_bert``: the next BERT-JAM phase, whose trainable
+    parameters differ, as in the official code) the optimizer state is reset and the update counter and the LR
+    scheduler's state continue from the checkpoint; ``--reset-lr-scheduler`` (and ``--finetune-from-model``, which
+    implies it) restarts them as fairseq does. Every other task is left as fairseq ships it."""
+    from fairseq.trainer import Trainer
+
+    original = Trainer.load_checkpoint
+    if getattr(original, "_fairseq_ext_continues_schedule", False):
+        return
+
+    @functools.wraps(original)
+    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, *args, **kwargs):
+        extra_state = original(self, filename, reset_optimizer, reset_lr_scheduler, *args, **kwargs)
+        history = self._optim_history or []
+        if (getattr(self.task, "continues_schedule_after_reset_optimizer", False) and extra_state is not None
+                and reset_optimizer and not reset_lr_scheduler and history and "num_updates" in history[-1]):
+            last = history[-1]
+            if "lr_scheduler_state" in last:
+                try:
+                    self.lr_scheduler.load_state_dict(last["lr_scheduler_state"])
+                except Exception:  # noqa: BLE001 - another scheduler: its num_updates-driven schedule only
+                    pass
+            self.set_num_updates(last["num_updates"])
+            logger.info(f"--reset-optimizer reset the optimizer state; the update counter and LR schedule continue "
+                        f"from {filename} at {last['num_updates']} updates (lr {self.get_lr():g}); "
+                        f"--reset-lr-scheduler would restart them")
+        return extra_state
+
+    load_checkpoint._fairseq_ext_continues_schedule = True
+    Trainer.load_checkpoint = load_checkpoint
+
+
 def install():
     """Idempotent; called by ``import fairseq_ext``. Returns the names of the fixes applied."""
     import fairseq
@@ -131,6 +192,8 @@ def install():
         "fix_dropped_last_batch": lambda: fix_dropped_last_batch(data_utils),
         "fix_pytorch_ddp_device_ids_on_cpu": fix_pytorch_ddp_device_ids_on_cpu,
         "fix_resume_rebuilds_batches_with_epoch_seed": fix_resume_rebuilds_batches_with_epoch_seed,
+        "fix_load_error_hides_cause": fix_load_error_hides_cause,
+        "fix_reset_optimizer_restarts_schedule": fix_reset_optimizer_restarts_schedule,
     }
     version = getattr(fairseq, "__version__", "")
     if not any(version == v or version.startswith(v + ".") for v in CHECKED_VERSIONS):  # 0.12.3, 0.12.3.1; not 0.12.30

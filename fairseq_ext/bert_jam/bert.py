@@ -310,3 +310,34 @@ def check_input_settings(ours, theirs, ours_name, theirs_name):
                 f"{flag}: {ours_name} has {k}={ours[k]} but {theirs_name} has {k}={theirs[k]}, so BERT would see "
                 f"other input than in training; use the same {flag} for both (or rerun python -m "
                 "fairseq_ext.bert_jam.prepare with it)")
+
+
+# -- a frozen BERT in checkpoints: left out, and refilled from --bert-model-name if its hash matches --------
+def leave_out_frozen_bert(module, state_dict, prefix, local_metadata):
+    """State-dict post hook of the encoder: a frozen BERT is not saved (phases 1-2: it is the pre-trained one)."""
+    if not module.bert_trainable:
+        for k in [k for k in state_dict if k.startswith(prefix + "bert.")]:
+            del state_dict[k]
+
+
+def refill_frozen_bert(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                        error_msgs):
+    """Load pre-hook of the encoder: a checkpoint without BERT (phases 1-2) gets this model's BERT, loaded from
+    ``--bert-model-name``, if its weights have the content hash the checkpoint recorded."""
+    key = prefix + "bert_sha256"
+    if not any(k.startswith(prefix + "bert.") for k in state_dict):
+        saved = state_dict.get(key)
+        if saved is None:
+            raise FairseqExtError("the checkpoint holds neither BERT's weights nor the hash of the pre-trained "
+                                  "BERT it was trained with: it is not a bert_jam checkpoint of this version")
+        saved = bytes(saved.long().tolist()).hex()
+        here = module.bert_digest()
+        if saved != here:
+            raise FairseqExtError(
+                f"--bert-model-name {module.args.bert_model_name}: its weights (sha256 {here[:16]}) are not the "
+                f"pre-trained BERT this checkpoint was trained with (sha256 {saved[:16]}); phase 1-2 checkpoints do "
+                "not hold BERT: give the directory of that BERT")
+        for k, v in module.bert.state_dict().items():
+            state_dict[prefix + "bert." + k] = v
+    elif key not in state_dict:  # a checkpoint from before the hash: it holds BERT itself
+        state_dict[key] = module.bert_sha256

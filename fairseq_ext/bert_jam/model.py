@@ -53,7 +53,10 @@ from fairseq_ext.bert_jam.bert import (
     check_input_settings,
     check_tokenizer_fits,
     input_settings,
+    leave_out_frozen_bert,
+    refill_frozen_bert,
 )
+from fairseq_ext.building import building_from_checkpoint
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.decoder_features import decoder_output, embed_decoder_input, newest_positions
 
@@ -345,36 +348,6 @@ class BertJamDecoderLayer(nn.Module, _FFNMixin):
 # BERT, encoder, decoder
 # --------------------------------------------------------------------------------------------------------
 
-def _leave_out_frozen_bert(module, state_dict, prefix, local_metadata):
-    """State-dict post hook of the encoder: a frozen BERT is not saved (phases 1-2: it is the pre-trained one)."""
-    if not module.bert_trainable:
-        for k in [k for k in state_dict if k.startswith(prefix + "bert.")]:
-            del state_dict[k]
-
-
-def _refill_frozen_bert(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                        error_msgs):
-    """Load pre-hook of the encoder: a checkpoint without BERT (phases 1-2) gets this model's BERT, loaded from
-    ``--bert-model-name``, if its weights have the content hash the checkpoint recorded."""
-    key = prefix + "bert_sha256"
-    if not any(k.startswith(prefix + "bert.") for k in state_dict):
-        saved = state_dict.get(key)
-        if saved is None:
-            raise FairseqExtError("the checkpoint holds neither BERT's weights nor the hash of the pre-trained "
-                                  "BERT it was trained with: it is not a bert_jam checkpoint of this version")
-        saved = bytes(saved.long().tolist()).hex()
-        here = module.bert_digest()
-        if saved != here:
-            raise FairseqExtError(
-                f"--bert-model-name {module.args.bert_model_name}: its weights (sha256 {here[:16]}) are not the "
-                f"pre-trained BERT this checkpoint was trained with (sha256 {saved[:16]}); phase 1-2 checkpoints do "
-                "not hold BERT: give the directory of that BERT")
-        for k, v in module.bert.state_dict().items():
-            state_dict[prefix + "bert." + k] = v
-    elif key not in state_dict:  # a checkpoint from before the hash: it holds BERT itself
-        state_dict[key] = module.bert_sha256
-
-
 def wrap_layer(layer, cfg):
     """What fairseq's TransformerEncoderBase/DecoderBase do to each layer: ``--checkpoint-activations``
     (``--offload-activations``) and FSDP wrapping."""
@@ -404,8 +377,8 @@ class BertJamEncoder(TransformerEncoderBase):
         if bert_sha256:
             digest = torch.tensor(list(bytes.fromhex(bert_sha256)), dtype=torch.long)
         self.register_buffer("bert_sha256", digest)
-        self.register_state_dict_post_hook(_leave_out_frozen_bert)
-        self.register_load_state_dict_pre_hook(_refill_frozen_bert)
+        self.register_state_dict_post_hook(leave_out_frozen_bert)
+        self.register_load_state_dict_pre_hook(refill_frozen_bert)
 
     def build_encoder_layer(self, cfg):
         return wrap_layer(BertJamEncoderLayer(cfg, *self._bert_dims, self.args.bert_composition), cfg)
@@ -599,7 +572,7 @@ class BertJamModel(TransformerModel):
             raise FairseqExtError("--encoder/decoder-layers-to-keep is not supported by bert_jam")
         # from a checkpoint of phase 3 only the architecture is built: the checkpoint holds the fine-tuned BERT;
         # phase 1-2 checkpoints do not hold BERT, which is loaded from the directory (and its hash checked)
-        from_checkpoint = getattr(task, "building_from_checkpoint", False)
+        from_checkpoint = building_from_checkpoint()
         bert = build_bert(name, from_checkpoint=from_checkpoint and args.bert_jam_phase == 3)
         digest = None if from_checkpoint and args.bert_jam_phase == 3 else bert_content_sha256(bert)
 

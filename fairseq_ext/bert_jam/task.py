@@ -17,7 +17,6 @@ task
 ``transformers`` is imported lazily (inside functions), never at package import time.
 """
 
-import functools
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_ext.bert_jam.bert import check_input_settings, check_prepared_input_fits, collate_bert, input_settings
+from fairseq_ext.building import RecordsCheckpointBuild
 from fairseq_ext.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
@@ -111,14 +111,16 @@ class TranslationBertConfig(TranslationConfig):
 
 
 @register_task("translation_bert", dataclass=TranslationBertConfig)
-class TranslationBertTask(TranslationTask):
+class TranslationBertTask(RecordsCheckpointBuild, TranslationTask):
     """Translation with a BERT view of the source (``net_input["bert_input"]``) for ``--arch bert_jam*``."""
 
     cfg: TranslationBertConfig
+    # fairseq-train --restore-file PREV.pt --reset-optimizer (the next BERT-JAM phase) continues the update counter
+    # and the LR schedule (fairseq_ext.fairseq_fixes.fix_reset_optimizer_restarts_schedule)
+    continues_schedule_after_reset_optimizer = True
 
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
-        self.building_from_checkpoint = False
         self._feature_source = None  # (encoder, layers) once build_model has set up --bert-feature-cache
 
     def _bert_meta(self, data_path):
@@ -228,11 +230,7 @@ class TranslationBertTask(TranslationTask):
                 ds.features = self._features(split, k_path, prefixes, ds.bert)
 
     def build_model(self, cfg, from_checkpoint=False):
-        self.building_from_checkpoint = from_checkpoint
-        try:
-            model = super().build_model(cfg, from_checkpoint)
-        finally:
-            self.building_from_checkpoint = False
+        model = super().build_model(cfg, from_checkpoint)  # RecordsCheckpointBuild tells the model
         data_path = utils.split_paths(self.cfg.data)[0]
         meta = getattr(self, "_prepared_meta", None) or self._bert_meta(data_path)
         config = getattr(getattr(getattr(model, "encoder", None), "bert", None), "config", None)
@@ -249,47 +247,3 @@ class TranslationBertTask(TranslationTask):
             else:
                 self._setup_feature_cache(model)
         return model
-
-
-def continue_schedule_across_phases():
-    """``fairseq-train --restore-file PREV.pt --reset-optimizer`` with ``--task translation_bert`` (moving to the
-    next BERT-JAM phase, whose trainable parameters differ): the optimizer state is reset, but the update
-    counter and the LR scheduler's state continue from the checkpoint, as in the official code (fairseq would
-    restart them, so inverse_sqrt would warm up to its peak again). ``--reset-lr-scheduler`` (and
-    ``--finetune-from-model``, which implies it) restarts them as fairseq does. Also shows the one-line
-    FairseqExtError of loading (e.g. a BERT directory whose weights do not match the checkpoint) instead of
-    fairseq's "Cannot load model parameters"."""
-    from fairseq.trainer import Trainer
-
-    original = Trainer.load_checkpoint
-    if getattr(original, "_bert_jam_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def load_checkpoint(self, filename, reset_optimizer=False, reset_lr_scheduler=False, *args, **kwargs):
-        try:
-            extra_state = original(self, filename, reset_optimizer, reset_lr_scheduler, *args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
-            if isinstance(exc.__context__, FairseqExtError) and not isinstance(exc, FairseqExtError):
-                raise exc.__context__ from None
-            raise
-        history = self._optim_history or []
-        if (isinstance(self.task, TranslationBertTask) and extra_state is not None and reset_optimizer
-                and not reset_lr_scheduler and history and "num_updates" in history[-1]):
-            last = history[-1]
-            if "lr_scheduler_state" in last:
-                try:
-                    self.lr_scheduler.load_state_dict(last["lr_scheduler_state"])
-                except Exception:  # noqa: BLE001 - another scheduler: its num_updates-driven schedule only
-                    pass
-            self.set_num_updates(last["num_updates"])
-            logger.info(f"translation_bert: --reset-optimizer reset the optimizer state; the update counter and "
-                        f"LR schedule continue from {filename} at {last['num_updates']} updates (lr "
-                        f"{self.get_lr():g}); --reset-lr-scheduler would restart them")
-        return extra_state
-
-    load_checkpoint._bert_jam_wrapped = True
-    Trainer.load_checkpoint = load_checkpoint
-
-
-continue_schedule_across_phases()

@@ -1,7 +1,7 @@
 """ConvS2S: "Convolutional Sequence to Sequence Learning" (Gehring et al., ICML 2017), as ``fconv_glu``.
 
 A clean re-implementation of fairseq's ``fconv`` (``fairseq/models/fconv.py``), numerically identical to it
-(tests/test_fconv_glu.py copies weights across and compares logits, gradients and beam hypotheses), with
+(tests/convs2s/test_fconv_glu.py copies weights across and compares logits, gradients and beam hypotheses), with
 current weight normalisation and an inference weight cache. Symbols follow the paper:
 
 * §3.1  e_j = w_j + p_j: token embedding + learned absolute position embedding (source), g_i likewise for

@@ -12,7 +12,7 @@ Read top to bottom beside the paper (Sec. 3, Eq. 5-13):
   attention over ``C^{n-1}`` (``Attn_c``) by the gate ``g = sigmoid(W1 Attn_h + W2 Attn_c + b)``;
   every decoder layer n fuses its attention over ``B^n`` with an attention over ``C^n`` the same way.
 
-Choices where the paper is ambiguous (each one is tested in tests/test_msc_transformer.py):
+Choices where the paper is ambiguous (each one is tested in tests/msc/test_msc_transformer.py):
 
 1. Pre-norm everywhere (Eq. 1-2). The residual stream runs un-normalised from block to block
    (``H^{n,0} = B^{n-1}``, Eq. 6); what leaves the encoder for the decoder and the GRU is

@@ -18,25 +18,7 @@ s(h) + sum_k lp_k(v_k | h).
   attention (--print-alignment) as in fairseq. With K = 1 this is fairseq's beam search; with B = 1 it is
   greedy search that stops at the first EOS of a group.
 
-  Why the per-position top B suffice (exactness). Let L_k be the B best non-EOS words at position k. (i) A
-  continuation c in the top B of its parent uses only words of L_k at every position k: if c_k were not in
-  L_k, replacing c_k by each of the B words of L_k would give B other continuations of the same parent,
-  each scoring >= c (the score is a sum over positions, and every word of L_k scores >= c_k at k), so c
-  would not be needed in a top B. (ii) The same argument on prefixes: the top B prefixes of length j+1 are
-  extensions of the top B prefixes of length j by words of L_j, so pruning the B x B sums to the best B
-  after each position is exact (a prefix outside the top B at length j has B better ones, and extending
-  each of them by the same later words keeps them better). (iii) Globally, the top B of a sentence over all
-  parents is contained in the union of the parents' top B: a continuation outside its parent's top B has B
-  better ones. The hypotheses that end at j extend the top B prefixes of length j by EOS, so they are exact
-  too. (iv) Fewer candidates still: write a prefix over the L_k as its ranks r_k (0 = best). Every tuple
-  r' <= r (element-wise) scores >= r, and there are prod_k (r_k + 1) of them, so a prefix with
-  prod_k (r_k + 1) > B has B others of its parent at least as good: the tuples with prod_k (r_k + 1) <= B
-  (for B = 4, K = 6: 105 of all lengths 0..6, against 4^6 = 4,096 continuations) hold every top B.
-  The step scores them all at once, with one top-B per position for the whole group
-  (:meth:`SATSequenceGenerator._enumerated_group`); K = 1 and a beam too wide for that (over
-  ``ENUMERATE_MAX_CANDIDATES`` tuples) prune position by position as in (ii)
-  (:meth:`SATSequenceGenerator._pruned_group`). ``tests/test_sat.py`` checks both against brute-force
-  enumeration of every continuation.
+  Why the per-position top B suffice, and how a group step scores them: :mod:`fairseq_ext.sat.group_step`.
 
 A plain fairseq ``transformer`` is decoded as K = 1.
 """
@@ -59,10 +41,10 @@ from fairseq.sequence_generator import (
 )
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext import search_kernels
-from fairseq_ext.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_step, lean_takes,
-                                     only_lean_state, reorder_lean_state)
-from fairseq_ext.sat.model import group_size
+from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_refusal,
+                                               lean_step, only_lean_state, reorder_lean_state)
+from fairseq_ext.sat import search_kernels
+from fairseq_ext.sat.group_step import GroupStep
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
 logger = logging.getLogger(__name__)
@@ -109,13 +91,13 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
                 f"translation_sat decodes a single model; got an ensemble of {len(models)} (--path a.pt:b.pt). "
                 f"Average the checkpoints instead (python -m fairseq_ext.average_checkpoints)")
         super().__init__(models)
-        self.group_size = group_size(models[0])
+        self.group_size = int(getattr(models[0].decoder, "group_size", 1))  # K; a transformer decodes as K = 1
         self.decoder_calls = 0
-        self._lean_takes = bool(lean_step) and lean_takes(self.single_model.decoder)
+        self._lean_refusal = lean_refusal(self.single_model.decoder) if lean_step else "--no-lean-step"
 
     @property
     def uses_lean_step(self) -> bool:
-        return self._lean_takes and float32_on_cpu(self.single_model.decoder)
+        return self._lean_refusal is None and float32_on_cpu(self.single_model.decoder)
 
     def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0,
                      normalize: bool = True):
@@ -156,7 +138,7 @@ def plain_log_softmax(model) -> bool:
             and getattr(decoder, "adaptive_softmax", None) is None and not getattr(decoder, "onnx_trace", False))
 
 
-class _GroupSearch(SequenceGenerator):
+class _GroupSearch(GroupStep, SequenceGenerator):
     """The group-level searches; ``SequenceGeneratorWithAlignment.generate`` reaches :meth:`_generate` through
     ``super()`` (see the class order of :class:`SATSequenceGenerator`), so --print-alignment uses them too."""
 
@@ -341,167 +323,6 @@ class _GroupSearch(SequenceGenerator):
                 attn = attn.index_select(0, keep)
             encoder_outs = self._reorder(state, encoder_outs, keep)
         return finalized
-
-    # -- exact group beam search ---------------------------------------------------------------------------
-    # A group step returns (fin_list, ended, alive, X, chosen) for rows ``sentence * P + parent``:
-    #   fin_list[j][s]: the candidates that end at position j among sentence s's top B at that length, in rank
-    #     order (-1: not an ending one); ended(j, s, c) -> (row, its words in the group, its cumulative scores
-    #     in the group, EOS included); alive [N, X]: the scores of the X continuations of each row that fill
-    #     the group (-inf where a candidate does not); chosen(flat indices row * X + x) -> (words, cumulative
-    #     scores) [M, K] of those continuations.
-    ENUMERATE_MAX_CANDIDATES = 256  # rank tuples per parent up to which _enumerated_group is used
-
-    def _rank_tuples(self, B: int, K: int, device):
-        """The rank tuples (r_0..r_{L-1}), L = 0..K, with prod_k (r_k + 1) <= B, as ranks [C, K] (padded with 0)
-        and lengths [C] / list. A prefix whose ranks (indices into the per-position top B, best first) have a
-        larger product has at least B others of its parent scoring >= it (every tuple r' <= r element-wise;
-        there are prod (r_k + 1) of them), so it is never needed in a top B: these C tuples hold every parent's
-        top B prefixes of every length, and the empty prefix (L = 0), which ends at position 0."""
-        cache = self.__dict__.setdefault("_rank_tuple_cache", {})
-        key = (B, K, str(device), self.ENUMERATE_MAX_CANDIDATES)
-        if key not in cache:
-            tuples = []
-
-            def grow(prefix, prod, L):
-                if len(prefix) == L:
-                    tuples.append(prefix)
-                    return
-                for r in range(B):
-                    if prod * (r + 1) > B:
-                        break
-                    grow(prefix + (r,), prod * (r + 1), L)
-
-            for L in range(K + 1):
-                grow((), 1, L)
-                if len(tuples) > self.ENUMERATE_MAX_CANDIDATES:  # too many: the pruned step is used
-                    break
-            ranks = torch.tensor([t + (0,) * (K - len(t)) for t in tuples], dtype=torch.long, device=device)
-            lengths = [len(t) for t in tuples]
-            cache[key] = (ranks, torch.tensor(lengths, device=device), lengths)
-        return cache[key]
-
-    def _enumerated_slots(self, cands, J: int):
-        """What the enumerated step ranks at each position j < J, fixed per (rank tuples, J) and cached: the
-        candidates that end at j (length j), then the prefixes of length j + 1, padded to W slots per position.
-        Returns (index [J * W] into ``cat([end, prefix, -inf])`` of [N, 2C + 1], ends [1, J, 1] (slots below
-        it end at j), slot_candidate[j][w] (the candidate of each slot), W) and, per candidate, the eos
-        position [1, C] and the length [1, C, 1] and full-length mask [1, C] used by the step."""
-        cache = self.__dict__.setdefault("_enumerated_slot_cache", {})
-        key = (id(cands[0]), J)
-        if key not in cache:
-            ranks, lengths, length_list = cands
-            C, K = ranks.size(0), ranks.size(1)
-            index, slot_candidate, n_ends = [], [], []
-            for j in range(J):
-                ending = [c for c in range(C) if length_list[c] == j]
-                growing = [c for c in range(C) if length_list[c] == j + 1]
-                slot_candidate.append(ending + growing)
-                index.append(ending + [C + c for c in growing])
-                n_ends.append(len(ending))
-            W = max(len(slots) for slots in index)
-            index = torch.tensor([slots + [2 * C] * (W - len(slots)) for slots in index], device=lengths.device)
-            cache[key] = (cands[0], index.view(-1), torch.tensor(n_ends, device=lengths.device).view(1, J, 1),
-                          slot_candidate, W, lengths.clamp(max=K - 1).view(1, C), lengths.view(1, C, 1),
-                          (lengths != K).view(1, C))
-        return cache[key][1:]
-
-    def _group_step_in_c(self, B: int, device) -> bool:
-        """Whether the enumerated step runs as one C call (:func:`fairseq_ext.search_kernels.enumerated_group`)."""
-        return self.native_group_step and device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
-
-    def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
-        """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
-        one cumulative sum and one top-B for all positions, instead of a prune per position."""
-        ranks, lengths, length_list = cands
-        N, K, B = vals.shape
-        C, J = ranks.size(0), last + 1
-        if self._group_step_in_c(B, vals.device):
-            # the same step in one C call (the same float32 numbers): candidates as parent * C + c
-            cum, c_words, end, alive, fin = search_kernels.enumerated_group(scores, vals, words, eos_lp, n, P, J,
-                                                                            ranks, lengths)
-
-            def ended_c(j, s, i):
-                row, c = s * P + i // C, i % C
-                L = length_list[c]
-                return row, c_words[row, c, :L], torch.cat([cum[row, c, :L], end[row, c: c + 1]])
-
-            def chosen_c(flat):
-                return c_words.view(-1, K).index_select(0, flat), cum.view(-1, K).index_select(0, flat)
-
-            return fin.tolist(), ended_c, alive, C, chosen_c
-        index, n_ends, slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, J)
-        idx = ranks.t().unsqueeze(0).expand(N, K, C)
-        cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
-        # cumulative scores along each candidate: s(h), then + lp_k(v_k) per position (cumsum accumulates in
-        # double on a CPU: the same float as fairseq's running sum for K = 1, within an ulp per position beyond)
-        cand_vals = vals.gather(2, idx).transpose(1, 2)  # [N, C, K]
-        cand_cum = torch.cat([scores.view(N, 1, 1).expand(N, C, 1), cand_vals], 2).cumsum(2)  # [N, C, K + 1]
-        prefix = cand_cum.gather(2, length_at.expand(N, C, 1)).squeeze(2)  # [N, C]
-        # ending at position L: the prefix of length L, then EOS there (none for L = K: the group is full)
-        end = prefix + eos_lp.gather(1, eos_at.expand(N, C))
-        # per position j, the candidates of length j + 1: those ending at j and the prefixes of length j + 1
-        ranked = torch.cat([end, prefix, end.new_full((N, 1), -math.inf)], 1).index_select(1, index)
-        ranked = ranked.view(n, P, J, W).transpose(1, 2).reshape(n, J, P * W)
-        top_sc, top_i = ranked.topk(B, dim=2)  # per sentence and position, the top B of that length
-        fin = torch.where((top_i % W < n_ends) & top_sc.ne(-math.inf), top_i, -1)
-        fin_list = fin.transpose(0, 1).tolist()  # [J, n, B]
-
-        def ended(j, s, i):
-            row, c = s * P + i // W, slot_candidate[j][i % W]
-            L = length_list[c]
-            return row, cand_words[row, c, :L], torch.cat([cand_cum[row, c, 1: L + 1], end[row, c: c + 1]])
-
-        alive = prefix.masked_fill(not_full, -math.inf)
-
-        def chosen(flat):
-            return (cand_words.reshape(-1, K).index_select(0, flat),
-                    cand_cum[:, :, 1:].reshape(-1, K).index_select(0, flat))
-
-        return fin_list, ended, alive, C, chosen
-
-    def _pruned_group(self, scores, vals, words, eos_lp, n, P, last, cands):
-        """The group step position by position: the top-B prefixes of length j + 1 from those of length j and
-        the B best words at j (exact, see the module docstring); for K = 1 (a single top B) and for a beam too wide
-        for the enumeration (``cands`` is then unused)."""
-        B = vals.size(2)
-        K = vals.size(1)
-        pre_cum = (scores.unsqueeze(1) + vals[:, 0]).unsqueeze(2)  # [N, B, 1]
-        pre_words = words[:, 0].unsqueeze(2)  # [N, B, 1]
-        ended_at = []  # per position j: (cumulative scores [N, F, j+1], words [N, F, j]) of hypotheses ending at j
-        ranked = []  # per position j: top B (score, index) per sentence over the ending ones and the prefixes
-        for j in range(last + 1):
-            if j == 0:
-                end_cum = (scores + eos_lp[:, 0]).view(-1, 1, 1)
-                end_words = pre_words[:, :1, :0]
-            else:
-                end_cum = torch.cat([prev_cum, (prev_cum[:, :, -1] + eos_lp[:, j: j + 1]).unsqueeze(2)], 2)
-                end_words = prev_words
-                # the B x B sums of the top-B prefixes of length j and the B best words at j -> best B
-                ext = prev_cum[:, :, -1:] + vals[:, j].unsqueeze(1)  # [N, B, B]
-                top, flat = ext.reshape(ext.size(0), -1).topk(B, dim=1)
-                parent = torch.div(flat, B, rounding_mode="floor").unsqueeze(2).expand(-1, -1, j)
-                pre_cum = torch.cat([prev_cum.gather(1, parent), top.unsqueeze(2)], 2)
-                pre_words = torch.cat([prev_words.gather(1, parent),
-                                       words[:, j].gather(1, flat % B).unsqueeze(2)], 2)
-            F = end_cum.size(1)
-            both = torch.cat([end_cum[:, :, -1].reshape(n, P * F), pre_cum[:, :, -1].reshape(n, P * B)], 1)
-            ranked.append(both.topk(B, dim=1))
-            ended_at.append((end_cum, end_words))
-            prev_cum, prev_words = pre_cum, pre_words
-        fin = torch.stack([torch.where((top_i < e_cum.size(1) * P) & top_sc.ne(-math.inf), top_i, -1)
-                           for (top_sc, top_i), (e_cum, _) in zip(ranked, ended_at)])
-        fin_list = fin.tolist()  # [last+1, n, B]
-
-        def ended(j, s, c):
-            end_cum, end_words = ended_at[j]
-            F = end_cum.size(1)
-            row, r = s * P + c // F, c % F
-            return row, end_words[row, r], end_cum[row, r]
-
-        def chosen(flat):
-            return pre_words.reshape(-1, K).index_select(0, flat), pre_cum.reshape(-1, K).index_select(0, flat)
-
-        return fin_list, ended, pre_cum[:, :, -1], B, chosen
 
     def _group_beam_search(self, sample, bos_token: Optional[int] = None):
         """One vectorised step per group (see the module docstring for the rule and the proof of exactness).

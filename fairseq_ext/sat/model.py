@@ -36,6 +36,7 @@ from fairseq.models.transformer.transformer_legacy import (
     transformer_vaswani_wmt_en_de_big,
 )
 
+from fairseq_ext.building import building_from_checkpoint
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 
@@ -81,6 +82,10 @@ class SATDecoder(TransformerDecoderBase):
     new keys to its cache, and ``reorder_incremental_state`` is inherited).
     """
 
+    # the lean decoder step of fairseq_ext.inference computes this decoder's incremental step: fairseq's layers over
+    # the group_size new positions of a call, under incremental_self_attn_mask when a call adds several groups
+    supports_lean_step = True
+
     def __init__(self, cfg, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(cfg, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
@@ -95,6 +100,11 @@ class SATDecoder(TransformerDecoderBase):
                 or self._relaxed_mask.dtype != tensor.dtype):
             self._relaxed_mask = relaxed_causal_mask(0, max(dim, 64), self.group_size, tensor)
         return self._relaxed_mask[:dim, :dim]
+
+    def incremental_self_attn_mask(self, first_query: int, num_keys: int, like: Tensor) -> Tensor:
+        """Rows first_query..num_keys-1 of the relaxed causal mask (Sec. 3.3): an incremental call of several
+        groups."""
+        return relaxed_causal_mask(first_query, num_keys, self.group_size, like)
 
     def max_positions(self):
         # the SAT decoder input is up to K-1 positions longer than the target (K start symbols, last group)
@@ -257,10 +267,9 @@ class SATModel(TransformerModel):
         model = super().build_model(args, task)
         init_from = getattr(args, "sat_init_from", None)
         if init_from:
-            # only a new training is initialised: not a model rebuilt from its checkpoint (translation_sat sets
-            # _sat_from_checkpoint; fairseq does not tell the model otherwise) nor a training that fairseq-train
-            # is about to restore from a checkpoint
-            if not getattr(task, "_sat_from_checkpoint", False) and not _train_will_restore(args):
+            # only a new training is initialised: not a model rebuilt from its checkpoint (fairseq_ext.building)
+            # nor a training that fairseq-train is about to restore from a checkpoint
+            if not building_from_checkpoint() and not _train_will_restore(args):
                 model.init_from_transformer(init_from, include_decoder=getattr(args, "sat_init_decoder", False))
             # the checkpoints of this model then store where the weights came from (sat_initialised_from), not a
             # request to initialise: rebuilding the model, with any task, never reads that file again

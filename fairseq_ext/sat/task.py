@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from fairseq_ext.building import RecordsCheckpointBuild
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import apply_speedups
+from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import build_sat_generator
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class TranslationSATConfig(TranslationConfig):
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
-class TranslationSATTask(TranslationTask):
+class TranslationSATTask(RecordsCheckpointBuild, TranslationTask):
     """Translation with semi-autoregressive (group) decoding; see the module docstring."""
 
     builds_sat_generator = True  # read by SATModel.from_pretrained (models never import tasks)
@@ -62,14 +63,6 @@ class TranslationSATTask(TranslationTask):
         super().__init__(cfg, src_dict, tgt_dict)
         if getattr(cfg, "left_pad_target", False):
             raise FairseqExtError("--task translation_sat needs right-padded targets: remove --left-pad-target")
-        self._sat_from_checkpoint = False
-
-    def build_model(self, cfg, from_checkpoint=False):
-        self._sat_from_checkpoint = from_checkpoint
-        try:
-            return super().build_model(cfg, from_checkpoint)
-        finally:
-            self._sat_from_checkpoint = False
 
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None, **kwargs):

@@ -1,5 +1,5 @@
 # Sourced by recipes/bert_jam/common.sh and ding_de_en.sh: run a step, or with DRY_RUN=1 print it instead
-# (one line, shell-quoted), which is what the recipes' --dry-run shows and tests/test_recipes.py parses.
+# (one line, shell-quoted), which is what the recipes' --dry-run shows and tests/core/test_recipes.py parses.
 run() {
   if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; printf '\n'; else "$@"; fi
 }

@@ -1,56 +1,35 @@
-"""Opt-in CPU decoding speed-ups for a loaded model (any fairseq transformer decoder, SAT included).
+"""Opt-in CPU decoding speed-ups for a loaded model, by name (``--inference-speedups LIST`` of ``--task
+translation_sat``, or :func:`apply_speedups`), for fairseq's transformer and the SAT (a decoder that declares the
+lean step, :mod:`fairseq_ext.inference.lean_decoder`):
 
-    from fairseq_ext.inference import fast_attention, prepack_output, quantize_decoder, quantize_encoder
-    prepack_output(model)                       # float32 softmax projection through MKL's packed GEMM
-    fast_attention(model)                       # float32 decoder attention: fused QKV, SDPA, preallocated cache
-    quantize_decoder(model)                     # int8 softmax projection (the default, ``layers="output"``)
-    quantize_decoder(model, layers="decoder")   # every nn.Linear of the decoder
-    quantize_encoder(model)                     # and every nn.Linear of the encoder
+    lean-decoder       the lean incremental step mixed into the decoder's class, so that any generator takes it
+                       (the SAT generator takes it by default without changing the model)
+    lean-encoder       the encoder's layers outside training in one q/k/v call and PyTorch's attention kernel
+    prepack            float32 softmax projection through MKL's packed GEMM (a few rows cost about one row)
+    int8-output        int8 softmax projection (PyTorch's dynamic quantisation: fbgemm; oneDNN for many rows)
+    int8-decoder       every nn.Linear of the decoder in int8 (the same)
+    int8-encoder       every nn.Linear of the encoder in int8 (the same)
+    amx-int8-decoder   every nn.Linear of the decoder in int8 on AMX tiles (fairseq_ext/inference/amx_int8.py)
+    amx-int8-encoder   the same for the encoder
 
-At batch 1 on a CPU a decoder call is bound by reading the weights, and the largest single weight is the
-V x d output (softmax) projection (8,000 x 256 floats = 8 MB for the quickstart model, larger than the L2
-cache). :func:`quantize_decoder` replaces it (or every ``nn.Linear`` of the decoder) by PyTorch's int8
-dynamic quantisation (``torch.ao.quantization.quantize_dynamic``: int8 weights per tensor, activations
-quantised on the fly, fbgemm kernels): 4x fewer bytes to read per call, and a call with K rows (the SAT's K
-new positions, a beam's B hypotheses) costs little more than a call with one row, where MKL's float kernels
-for 2-6 rows are markedly slower than its one-row path. ``benchmarks/bench_sat.py --quantize output`` measures
-it beside the float models (docs/sat_transformer.md, speed section).
-
-Two float32 speed-ups keep the model's numbers up to the order of the sums (~1e-6; the same hypotheses except
-at near-ties): :func:`prepack_output` runs the softmax projection through MKL's packed GEMM (the weight
-reordered once, so a call with a few rows costs about what a one-row call does), and :func:`fast_attention`
-gives the decoder's attention a lean incremental path (fused Q/K/V projection, a preallocated key/value cache,
-``F.scaled_dot_product_attention``); :func:`fairseq_ext.lean_decoder.lean_decoder` replaces the whole incremental
-decoder step by a lean one (the same products without fairseq's per-call bookkeeping; the SAT generator takes
-that step by default, so the flag matters for other generators and for models it does not take by default), and
-:func:`fairseq_ext.lean_encoder.lean_encoder` the encoder layers (one q/k/v call, PyTorch's attention kernel).
-:func:`apply_speedups`
-applies any of them by name; ``fairseq-generate --task translation_sat --inference-speedups
-fast-attention,prepack`` (or ``lean-decoder,lean-encoder,prepack``) does it from the command line.
-
-:func:`amx_quantize_decoder` / :func:`amx_quantize_encoder` (``amx-int8-decoder`` / ``amx-int8-encoder``) run
-every ``nn.Linear`` through int8 products on AMX tiles where the CPU has them (:mod:`fairseq_ext.amx_int8`: one
-scale per weight row and per input row; up to 16 rows cost what one row costs).
-
-For inference: the model changes in place and its outputs change a little (int8 rounding of the weights),
-so hypotheses can differ from the float model's; the benchmark reports BLEU (trained models) or agreement
-with the float hypotheses. Training and saving checkpoints need the float model (quantised modules hold
-packed int8 weights, not parameters). :func:`quantize_decoder` leaves the encoder in float;
-:func:`quantize_encoder` quantises its projections too (one pass per sentence, but the part of a sentence's
-time that no group size K shrinks).
+The float32 ones keep the model's numbers up to the order of the sums (~1e-6; the same hypotheses except at
+near-ties); the int8 ones change the outputs a little (int8 rounding), so hypotheses can differ from the float
+model's: ``benchmarks/bench_sat.py`` reports BLEU or the agreement with the float hypotheses beside the speed.
+At batch 1 on a CPU a decoder call is bound by reading the weights, and the largest is the V x d softmax
+projection: int8 reads 4x fewer bytes, and a call with a few rows (a SAT group, a beam) costs little more than one
+row. Inference only: the model changes in place; training and saving need the float model (quantised modules hold
+packed int8 weights, not parameters).
 """
 
 import warnings
 import weakref
 
 import torch
-from fairseq.modules import MultiheadAttention
 
-from fairseq_ext import amx_int8
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import (_DynamicQuantizedLinear, append_to_cache, int8_weight_rows, lean_decoder,
-                                     merge_heads, qkv, split_heads)
-from fairseq_ext.lean_encoder import lean_encoder
+from fairseq_ext.inference import amx_int8
+from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear, int8_weight_rows, lean_decoder
+from fairseq_ext.inference.lean_encoder import lean_encoder
 
 LAYERS = ("output", "decoder")
 
@@ -268,133 +247,30 @@ def _quantize(module, spec, name):
         quantize_dynamic(module, qconfig_spec=spec, dtype=torch.qint8, inplace=True)
 
 
-class FastIncrementalAttention(MultiheadAttention):
-    """fairseq's ``MultiheadAttention`` with a leaner path for incremental decoding (the class of a decoder's
-    attention modules after :func:`fast_attention`; parameters, state_dict and every other path unchanged).
-
-    Self-attention step (T new positions, any T: a SAT group or one word): one fused Q/K/V projection (the three
-    weights concatenated once, re-made when one changes), the new keys and values written into a key/value
-    cache preallocated for ``CACHE_BLOCK`` positions at a time (grown by doubling) instead of fairseq's
-    ``torch.cat`` of the whole prefix on every call, and ``F.scaled_dot_product_attention`` instead of fairseq's
-    bmm / mask / softmax / bmm and its transposes. The cache keeps fairseq's layout: ``prev_key`` /
-    ``prev_value`` are [B, H, n, d] views of the buffers, so code that reads the cache length
-    (``SATDecoder``) and fairseq's own path work on it. Encoder-decoder attention: the same with the keys and
-    values of the source (computed on the first step, as fairseq does). fairseq's path is taken whenever the
-    fast one does not apply: no incremental state, attention weights asked for (the alignment layer),
-    key-padding of the decoder input, bias_k / zero attention, dropout in training, autograd, beam-reduced
-    cross attention (``set_beam_size`` > 1).
-
-    Float32 stays float32; the sums are ordered differently (differences ~1e-6), so hypotheses equal the plain
-    model's except at near-ties."""
-
-    CACHE_BLOCK = 64
-
-    def _fast(self, incremental_state, need_weights, need_head_weights, before_softmax):
-        return (incremental_state is not None and not (need_weights or need_head_weights or before_softmax)
-                and self.bias_k is None and not self.add_zero_attn and not self.onnx_trace
-                and not (self.training and self.dropout_module.p > 0)
-                and not (torch.is_grad_enabled() and getattr(getattr(self.q_proj, "weight", None), "requires_grad",
-                                                             False)))
-
-    def forward(self, query, key, value, key_padding_mask=None, incremental_state=None, need_weights=True,
-                static_kv=False, attn_mask=None, before_softmax=False, need_head_weights=False):
-        if self._fast(incremental_state, need_weights, need_head_weights, before_softmax):
-            if self.self_attention and key_padding_mask is None:
-                return self._self_step(query, incremental_state, attn_mask), None
-            if self.encoder_decoder_attention and static_kv and self.beam_size == 1 and attn_mask is None:
-                return self._cross_step(query, key, key_padding_mask, incremental_state), None
-        return super().forward(query, key, value, key_padding_mask=key_padding_mask,
-                               incremental_state=incremental_state, need_weights=need_weights, static_kv=static_kv,
-                               attn_mask=attn_mask, before_softmax=before_softmax,
-                               need_head_weights=need_head_weights)
-
-    def _heads(self, x):  # [T, B, C] -> [B, H, T, d]
-        return split_heads(x, self.num_heads)
-
-    def _merge(self, attn):  # [B, H, T, d] -> [T, B, C] through out_proj
-        return self.out_proj(merge_heads(attn))
-
-    def _self_step(self, query, incremental_state, attn_mask):
-        q, k, v = (self._heads(t) for t in qkv(self, query))
-        state = self._get_input_buffer(incremental_state)
-        prev = state.get("prev_key")
-        n = 0 if prev is None else prev.size(2)
-        for name, new in (("key", k), ("value", v)):  # a cache that fairseq's path wrote is copied in once
-            state[f"cache_{name}"], state[f"prev_{name}"] = append_to_cache(
-                state.get(f"cache_{name}"), state.get(f"prev_{name}"), new, n, self.CACHE_BLOCK)
-        state["prev_key_padding_mask"] = None
-        self._set_input_buffer(incremental_state, state)
-        mask = attn_mask.to(q.dtype) if attn_mask is not None else None
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q, state["prev_key"], state["prev_value"], attn_mask=mask, scale=self.scaling)
-        return self._merge(attn)
-
-    def _cross_step(self, query, key, key_padding_mask, incremental_state):
-        state = self._get_input_buffer(incremental_state)
-        if state.get("prev_key") is None:  # first step: the source's keys and values, kept for every later step
-            state["prev_key"] = self._heads(self.k_proj(key))
-            state["prev_value"] = self._heads(self.v_proj(key))
-            state["prev_key_padding_mask"] = key_padding_mask
-            self._set_input_buffer(incremental_state, state)
-        pad = state.get("prev_key_padding_mask")
-        mask = None if pad is None else ~pad.to(torch.bool).view(pad.size(0), 1, 1, pad.size(1))
-        q = self._heads(self.q_proj(query))
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q, state["prev_key"], state["prev_value"], attn_mask=mask, scale=self.scaling)
-        return self._merge(attn)
-
-    def reorder_incremental_state(self, incremental_state, new_order):
-        state = self._get_input_buffer(incremental_state)
-        if state.get("cache_key") is None or state.get("prev_key") is None:
-            return super().reorder_incremental_state(incremental_state, new_order)
-        n = state["prev_key"].size(2)
-        for name in ("key", "value"):  # the preallocated buffers follow the hypotheses; prev_* stay views of them
-            buf = state[f"cache_{name}"].index_select(0, new_order)
-            state[f"cache_{name}"] = buf
-            state[f"prev_{name}"] = buf[:, :, :n]
-        self._set_input_buffer(incremental_state, state)
-        return incremental_state
-
-
-def fast_attention(model):
-    """Every ``MultiheadAttention`` of ``model.decoder`` becomes a :class:`FastIncrementalAttention`, in place
-    (its class changes; parameters and state_dict stay); returns the model in eval mode."""
-    decoder = getattr(model, "decoder", None)
-    if decoder is None:
-        raise FairseqExtError("fast_attention: the model has no .decoder (give a fairseq encoder-decoder model)")
-    n = 0
-    for m in decoder.modules():
-        if type(m) is MultiheadAttention:
-            m.__class__ = FastIncrementalAttention
-            n += 1
-    for layer in getattr(decoder, "layers", []):
-        # a decoder layer computes its encoder attention's weights when its need_attn is set (fairseq's default
-        # until make_generation_fast_), though the decoder keeps only the alignment layer's, which it asks for
-        # explicitly: the other layers then take the fast path
-        if hasattr(layer, "need_attn"):
-            layer.need_attn = False
-    if n == 0 and not any(isinstance(m, FastIncrementalAttention) for m in decoder.modules()):
-        raise FairseqExtError("fast_attention: the decoder has no fairseq MultiheadAttention module to speed up")
-    return model.eval()
-
-
 SPEEDUPS = {  # name -> function(model); applied in this order
     "int8-output": lambda m: quantize_decoder(m, layers="output"),
     "int8-decoder": lambda m: quantize_decoder(m, layers="decoder"),
     "int8-encoder": quantize_encoder,
     "amx-int8-decoder": amx_quantize_decoder,
     "amx-int8-encoder": amx_quantize_encoder,
-    "fast-attention": fast_attention,
     "prepack": prepack_output,
     "lean-decoder": lean_decoder,
     "lean-encoder": lean_encoder,
 }
 
 
+RETIRED = {"fast-attention": "the lean decoder step does what it did (fused q/k/v, a preallocated cache, PyTorch's "
+                             "attention kernel); the SAT generator takes it by default, lean-decoder gives it to any "
+                             "generator: use lean-decoder"}
+
+
 def apply_speedups(model, names: str, flag: str = "speedups"):
     """Applies the comma-separated speed-ups ``names`` (keys of :data:`SPEEDUPS`) to ``model``, int8 ones first,
     each once (one already applied to this model is skipped); returns the model."""
     wanted = [n.strip() for n in names.split(",") if n.strip()]
+    retired = [n for n in wanted if n in RETIRED]
+    if retired:
+        raise FairseqExtError(f"{flag}: {retired[0]} was retired: {RETIRED[retired[0]]}")
     unknown = [n for n in wanted if n not in SPEEDUPS]
     if unknown:
         raise FairseqExtError(f"{flag}: unknown speed-up {unknown[0]!r}; choose from {', '.join(SPEEDUPS)}")

@@ -7,15 +7,15 @@ projections (docs/sat_transformer.md, run K). With int8 projections fairseq's ``
 take PyTorch's fused path (it needs the float weights) and runs its own: three projections, two ``bmm`` and a
 softmax, and the padding mask filled in. Per layer this runs instead:
 
-* self-attention (:func:`fairseq_ext.lean_decoder.self_attention`): the queries, keys and values from one
+* self-attention (:func:`fairseq_ext.inference.lean_decoder.self_attention`): the queries, keys and values from one
   projection call (one float product or one int8 call whose outputs equal the three calls' bit for bit), then
   ``F.scaled_dot_product_attention`` with the source padding as its mask;
-* the feed-forward block (:func:`fairseq_ext.lean_decoder.feed_forward`); layer norms before or after each
+* the feed-forward block (:func:`fairseq_ext.inference.lean_decoder.feed_forward`); layer norms before or after each
   block as the model was trained.
 
 The encoder's own code is unchanged around the layers (embedding, padding, ``return_all_hiddens``, the final
 layer norm), so its output dictionary is fairseq's. Float32 gives fairseq's output (its fused path uses the
-same attention kernel; ``tests/test_inference.py`` checks 1e-6); with int8 projections the attention's sums
+same attention kernel; ``tests/inference/test_speedups.py`` checks 1e-6); with int8 projections the attention's sums
 are ordered as in that fused path, not as in fairseq's own, so outputs differ from fairseq's int8 encoder by
 the rounding that int8 activations amplify. The lean layer runs outside training and autograd without an
 attention mask and without ``return_fc``; anything else takes the layer's own code.
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.lean_decoder import attention_refusal, feed_forward, mix_in, needs_autograd, self_attention
+from fairseq_ext.inference.lean_decoder import attention_refusal, feed_forward, mix_in, needs_autograd, self_attention
 
 
 class LeanEncoderLayer:

@@ -17,7 +17,7 @@ costs. This module runs every ``nn.Linear`` of the decoder (encoder) through a s
   rounded half to even (fbgemm's dynamic quantisation uses one 7-bit scale for the whole call);
 * the int32 sums are exact; the scales and the bias are applied in float32 (one fused multiply-add).
 
-:class:`AmxInt8Linear` equals that formula evaluated in float64 within float32 rounding (``tests/test_amx_int8.py``
+:class:`AmxInt8Linear` equals that formula evaluated in float64 within float32 rounding (``tests/inference/test_amx_int8.py``
 checks 1e-6 of the output's scale, for 1 to 40 rows and sizes that are not multiples of the tile). A row with a
 NaN or an infinity gives NaN outputs. The queries, keys and values of an attention layer can run as one call
 (:meth:`AmxInt8Linear.stacked`: the outputs equal the three calls' bit for bit), which the lean decoder and
@@ -40,9 +40,9 @@ from typing import List, Optional
 import torch
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.native_library import NativeLibrary, build, cpu_flags
+from fairseq_ext.inference.native import NativeLibrary, build, cpu_flags
 
-SOURCE = Path(__file__).with_name("native") / "amx_int8.c"
+SOURCE = Path(__file__).with_name("kernels") / "amx_int8.c"
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mamx-tile", "-mamx-int8", "-shared",
           "-fPIC", "-pthread"]
 # calls of at least this many multiply-adds (rows x outputs x inputs; e.g. 128 rows of an 8,000 x 256 softmax

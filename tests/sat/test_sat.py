@@ -229,7 +229,7 @@ def _same_hypos(a, b, what, atol=1e-5, attention=False):
 def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, lean_step):
     """Through the lean step (the generator's default) and through the decoder's own step; without --unkpen the
     default also reads the log-softmax through fairseq_ext.search_kernels (where it runs)."""
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     sat = sat_model(1)
     ref = transformer_with_weights_of(sat)
     src, src_lengths, _, _ = _batch(bsz=4, src_len=6)
@@ -424,7 +424,7 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
     enumeration (the default; in C where fairseq_ext.search_kernels runs, else in PyTorch ops) and the
     position-by-position prune (beams too wide for the enumeration). Without --unkpen the default reads the
     log-softmax through the kernel."""
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     if step == "pruned":
         monkeypatch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
     if step == "enumerated" and search_kernels.refusal() is not None:

@@ -25,6 +25,7 @@ from fairseq_ext.msc.criterion import (
 from fairseq_ext.msc import model as msc_model
 from fairseq_ext.msc.model import MSCContextFFN, MSCContextGRU, MSCGate, msc_encoder_states
 from tests.builders import MSC_ABLATIONS as ABLATIONS
+from tests.helpers import ROOT
 from tests.builders import MSC_BLOCKS as BLOCKS
 from tests.builders import MscTask as _Task
 from tests.builders import msc_build as build
@@ -778,7 +779,7 @@ def test_recipe_dry_run(script, flags, expect, needles, tmp_path):
 
     from fairseq import options
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     proc = subprocess.run(["bash", os.path.join(root, "recipes", "msc", script), "--dry-run", "--data-dir",
                            "/nonexistent", "--workdir", str(tmp_path / "w")] + flags,
                           capture_output=True, text=True, timeout=60)
@@ -800,7 +801,7 @@ def test_recipe_dry_run(script, flags, expect, needles, tmp_path):
 def test_recipe_rejects_depth_not_in_the_paper(tmp_path):
     import subprocess
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     proc = subprocess.run(["bash", os.path.join(root, "recipes", "msc", "iwslt.sh"), "--dry-run", "--data-dir",
                            "/x", "--depth", "40"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--depth must be 6, 36, 54 or 72" in proc.stderr

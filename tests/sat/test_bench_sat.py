@@ -15,8 +15,8 @@ import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq_ext.errors import FairseqExtError
-import fairseq_ext.inference as inference_module
-from fairseq_ext.inference import Int8RowsLinear, quantize_decoder, quantize_encoder
+import fairseq_ext.inference.speedups as inference_module
+from fairseq_ext.inference.speedups import Int8RowsLinear, quantize_decoder, quantize_encoder
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from tests.builders import SAT_DICT, sat_model, sat_sample
 from tests.helpers import ROOT, assert_close
@@ -33,7 +33,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_sat") / "bench.json"
     cmd = [sys.executable, BENCH, "--random-init", "--tiny", "--fixed-length", str(N), "--sentences", "3",
            "--block", "2", "--repeat", "2", "--no-throughput", "--json", str(out), "--quantize", "output",
-           "--float-opt", "both", "--float-opt", "own-step"]
+           "--float-opt", "lean-prepack", "--float-opt", "own-step"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     # exit 1 = a speed target missed (meaningless at this size); anything else is a failure
@@ -80,11 +80,11 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
     assert res["results"]["ours SAT K=4 (6+1)"]["greedy_b1_calls"] == math.ceil((N + 1) / 4)
     agr = res["results"]["ours SAT K=4 [int8 output]"]["greedy_b1_agreement"]
     assert 0 <= agr["tokens_identical"] <= 1
-    # the float32 opt-ins (prepack_output + fast_attention) decode the float model's tokens (sums reordered:
-    # only a near-tie could flip one; test_inference.py checks equal hypotheses exactly)
+    # the float32 opt-ins (the lean step mixed in, prepack_output) decode the float model's tokens (sums
+    # reordered: only a near-tie could flip one; tests/inference checks equal hypotheses exactly)
     for mode in ("greedy", "beam4"):
-        assert res["results"]["ours SAT K=4 [float both]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
-    assert set(res["speedup_vs_k1_by_family"]["float both"]["greedy"]) == {"2", "4", "6"}
+        assert res["results"]["ours SAT K=4 [float lean-prepack]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
+    assert set(res["speedup_vs_k1_by_family"]["float lean-prepack"]["greedy"]) == {"2", "4", "6"}
     # our generator's default lean decoder step, and the decoder's own step (--float-opt own-step): same tokens
     for name in ("ours K=1 (transformer)", "ours SAT K=4"):
         assert res["results"][name]["decoder_step"] == "lean"
@@ -92,12 +92,12 @@ def test_random_init_tiny_writes_the_issue_json(tiny_run):
         for mode in ("greedy", "beam4"):
             assert res["results"][f"{name} [float own-step]"][f"{mode}_b1_agreement"]["tokens_identical"] >= 0.95
     # the search kernels where they run: with the lean step both, with the decoder's own step the group step only
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     runs, top = search_kernels.refusal() is None, search_kernels.top_refusal() is None
     assert res["results"]["ours SAT K=4"]["search_kernels"] == {"log_softmax_top": top, "group_step": runs}
     assert res["results"]["ours SAT K=4 [float own-step]"]["search_kernels"] == {"log_softmax_top": False,
                                                                                 "group_step": runs}
-    assert res["results"]["ours SAT K=4 [float both]"]["decoder_step"] == "own"  # fast-attention's own path
+    assert res["results"]["ours SAT K=4 [float lean-prepack]"]["decoder_step"] == "lean"  # the mixed-in step
     assert "decoder_step" not in res["results"]["fairseq SequenceGenerator (transformer)"]
     assert res["code"]["fairseq_ext/sat/generator.py"]["sha1"]
     assert "speed-up K=4" in stdout
@@ -164,7 +164,7 @@ def test_bench_kernels_runs_and_checks_both_kernels():
         assert all(float(r[8]) < 0.02 for r in amx)  # the AMX product's error against float32, relative
     # the search kernels against PyTorch's path (the script checks the words and the group step's numbers equal)
     part6b = lines.index(next(x for x in lines if x.startswith("6b. ")))
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     if search_kernels.top_refusal() is None:
         rows = [x.split() for x in lines[part6 + 2: part6b]]
         assert [r[0] for r in rows] == ["2", "16"] and all(float(r[4]) < 1e-5 for r in rows)
@@ -181,7 +181,7 @@ def test_bench_beam_parts_runs_and_accounts_for_every_part():
     lines = proc.stdout.splitlines()
     calls = next(x for x in lines if x.startswith("decoder calls per sentence")).split()[-4:]
     assert calls == ["9.0", "5.0", "3.0", "2.0"]  # ceil(9 / K) calls for 8 words + EOS
-    from fairseq_ext import search_kernels
+    from fairseq_ext.sat import search_kernels
     kernel, pytorch = "log-softmax read by the kernel", "constraints (PyTorch's path)"
     ran, idle = (kernel, pytorch) if search_kernels.top_refusal() is None else (pytorch, kernel)
     for label in ("decoder call", "group step", "reorder", "the rest of the search", ran):

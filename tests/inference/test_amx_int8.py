@@ -12,18 +12,18 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
-import fairseq_ext.lean_decoder as lean_module
-from fairseq_ext import amx_int8
-from fairseq_ext.amx_int8 import AmxInt8Linear
+import fairseq_ext.inference.lean_decoder as lean_module
+from fairseq_ext.inference import amx_int8
+from fairseq_ext.inference.amx_int8 import AmxInt8Linear
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import apply_speedups
-from fairseq_ext.lean_decoder import lean_decoder
-from fairseq_ext.lean_encoder import lean_encoder
+from fairseq_ext.inference.speedups import apply_speedups
+from fairseq_ext.inference.lean_decoder import lean_decoder
+from fairseq_ext.inference.lean_encoder import lean_encoder
 from fairseq_ext.sat.model import SATModel, sat_decoder_input
 from tests.builders import SAT_DICT as DICT
 from tests.builders import SatTask, sat_args, sat_model
 from tests.helpers import assert_close
-from tests.test_inference import _batch, _reorder_matches_full_pass, _same_hypotheses
+from tests.inference.test_speedups import _batch, _reorder_matches_full_pass, _same_hypotheses
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 needs_amx = pytest.mark.skipif(amx_int8.refusal() is not None, reason=f"{amx_int8.refusal()}")
@@ -214,7 +214,7 @@ def test_amx_model_incremental_equals_full_pass(K, lean, kw, monkeypatch):
             out, extra = m.decoder(sat_in[:, :end], enc, incremental_state=state)
             outs.append(out)
     assert_close(torch.cat(outs, 1), full, 1e-5, f"K={K} lean={lean} amx incremental vs full pass")
-    fused = getattr(m.decoder.layers[0].self_attn, "_fused_qkv_amx", None)
+    fused = getattr(m.decoder.layers[0].self_attn, "_fairseq_ext_fused_qkv", None)
     assert (fused is not None) == lean and (not lean or isinstance(fused[1], AmxInt8Linear))
 
 

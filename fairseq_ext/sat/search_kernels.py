@@ -17,7 +17,7 @@ PyTorch's.
   keeping the B largest x[v] of the candidate columns on the way (a block of 16 is looked at only when one of its
   values beats the B-th so far): 16 / 23 us for 4 / 8 rows. The values are PyTorch's log-softmax up to the
   exponential (a degree-6 polynomial after Cephes' ``expf``, ~1 ulp) and the order of the sum: within 1e-6 plus
-  2 ulp of the exact log-softmax (``tests/test_search_kernels.py``); the words are those of a top B of
+  2 ulp of the exact log-softmax (``tests/sat/test_search_kernels.py``); the words are those of a top B of
   PyTorch's row, equal values ranking the smaller word first. A row whose maximum or sum is not finite (a NaN
   anywhere, +inf, every value -inf) is not computed: the call returns None and the caller takes PyTorch's path,
   where fairseq's rules for those apply. The kernel runs on the calling thread (2.8 us a row of 8,000 at 512
@@ -42,9 +42,9 @@ from typing import Optional, Tuple
 import torch
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.native_library import NativeLibrary, cpu_flags
+from fairseq_ext.inference.native import NativeLibrary, cpu_flags
 
-SOURCE = Path(__file__).with_name("native") / "search_kernels.c"
+SOURCE = Path(__file__).with_name("kernels") / "search_kernels.c"
 CFLAGS = ["-O3", "-shared", "-fPIC"]  # the log-softmax function asks for AVX-512F itself (target attribute)
 
 _top_cpu = None  # "" once the CPU is known to run log_softmax_top, else why it cannot

@@ -1,15 +1,15 @@
 """A lean incremental decoder step for CPU decoding: the same float32 products as fairseq's
 ``TransformerDecoderLayerBase`` and ``MultiheadAttention``, without their per-call bookkeeping. The SAT generator
-(``--task translation_sat``) decodes through it by default where :func:`lean_takes` and :func:`float32_on_cpu`
-allow, calling :func:`lean_step` without changing the model (``--no-lean-step``: the decoder's own step);
-``--inference-speedups lean-decoder`` (:func:`lean_decoder`) mixes it into the decoder's class, so that any
-generator (fairseq's too) takes it.
+(``--task translation_sat``) decodes through it by default where :func:`lean_refusal` finds nothing against the
+decoder and the call is float32 on the CPU (:func:`lean_applies`), calling :func:`lean_step` without changing the
+model (``--no-lean-step``: the decoder's own step); ``--inference-speedups lean-decoder`` (:func:`lean_decoder`)
+mixes it into the decoder's class, so that any generator (fairseq's too) takes it.
 
-At batch 1 a decoder call of the quickstart model (d 256, 3 layers) multiplies a handful of rows by each weight;
-most of its time is not in those products but in the ~800 PyTorch operations and Python calls around them
+At batch 1 a decoder call of a small model (d 128-256, 3 layers) multiplies a handful of rows by each weight; most
+of its time is not in those products but in the hundreds of PyTorch operations and Python calls around them
 (fairseq's incremental-state dictionaries with their string keys, module calls, dropout and residual helpers,
-shape checks; docs/sat_transformer.md, speed section). This step does per layer what the layer computes and
-nothing else:
+shape checks; ``python benchmarks/bench_beam_parts.py`` shows where a call's time goes). This step does per layer
+what the layer computes and nothing else:
 
 * self-attention: one fused Q/K/V projection, the new keys and values written into a key/value cache
   preallocated ``CACHE_BLOCK`` positions at a time, ``F.scaled_dot_product_attention``;
@@ -20,25 +20,34 @@ nothing else:
   explicitly, as the generator returns them as the hypothesis attention;
 * the feed-forward block; layer norms before or after each block as the model was trained.
 
-It runs when the decoder is called with an incremental state, outside training and autograd, for any number
-of new positions that is a multiple of the decoder's group size K (1 for a plain transformer; several groups
-get the relaxed causal mask, one group none). Everything else (training, full passes, fairseq's own
-``SequenceGenerator``, which feeds one token at a time to a K > 1 model) takes the decoder's own code. The
+Which decoders. The lean step computes fairseq's ``TransformerDecoderBase`` (its own class, known here) and any
+decoder class that declares, in the class that defines its ``extract_features_scriptable``::
+
+    supports_lean_step = True          # "my incremental step is fairseq's layers over my new positions"
+
+(as transformers' ``_supports_sdpa``). Such a decoder adds ``self.group_size`` positions a call (1 when it has no
+such attribute) and, when a call adds several groups, gives their self-attention mask with
+``incremental_self_attn_mask(first_query, num_keys, like)`` (an additive 0 / -inf mask; without it the causal
+mask). A subclass that overrides ``extract_features_scriptable`` without declaring it again takes its own step:
+the declaration is read from the class that defines the method, never inherited past an override.
+
+It runs when the decoder is called with an incremental state, outside training and autograd, for any number of
+new positions that is a multiple of the decoder's group size K. Everything else (training, full passes, fairseq's
+own ``SequenceGenerator``, which feeds one token at a time to a K > 1 model) takes the decoder's own code. The
 state lives in the incremental state under one key and is reordered by ``reorder_incremental_state`` like
 fairseq's (large key/value buffers into a spare buffer kept for the next reorder, only their cached positions:
 ``reorder_cache``). Float32 stays float32; the sums are ordered differently (differences ~1e-6), so hypotheses
-equal the plain model's except at near-ties (``tests/test_inference.py``: incremental == full pass within
-1e-5, reorders with permutations, same hypotheses as the plain model).
+equal the plain model's except at near-ties (``tests/inference/``: incremental == full pass within 1e-5,
+reorders with permutations, same hypotheses as the plain model).
 
-Decoders ``lean-decoder`` refuses, with one line (:func:`lean_refusal`; the SAT generator's default decodes them
-through their own step): layers with cross-self-attention, NormFormer's extra norms or scaled residuals
-(``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder attention, an
-adaptive softmax, or the alignment layer's weights from several layers; decoders with their own features (MSC,
-BERT-JAM).
+Decoders the lean step refuses, with one line (:func:`lean_refusal`; the SAT generator decodes them through their
+own step): no declaration (MSC, BERT-JAM), layers with cross-self-attention, NormFormer's extra norms or scaled
+residuals (``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder
+attention, attention modules with their own code, an adaptive softmax.
 """
 
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,31 +57,32 @@ with warnings.catch_warnings():  # torch.ao announces its move to torchao
     warnings.simplefilter("ignore")
     from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantizedLinear
 
-from fairseq_ext.amx_int8 import AmxInt8Linear
 from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.inference.amx_int8 import AmxInt8Linear
 
 STATE_KEY = "fairseq_ext.lean_decoder"
-CACHE_BLOCK = 64
+CACHE_BLOCK = 64  # positions a key/value cache grows by (the lean step's and the lean encoder's)
 REORDER_USED_ONLY = 1 << 16  # buffers of this many elements or more: reorder only the cached positions
 
 
-def _computes_what_fairseq_does(decoder) -> bool:
-    """The decoder's features are fairseq's transformer decoder's (or the SAT decoder's, which differs only in
-    how many positions a step adds; or the lean step mixed into either): a decoder that overrides them (MSC,
-    BERT-JAM) computes something else."""
+def declares_lean_step(decoder) -> bool:
+    """Whether the class that defines ``decoder``'s ``extract_features_scriptable`` is fairseq's transformer decoder
+    or declares ``supports_lean_step = True`` itself (module docstring)."""
     from fairseq.models.transformer import TransformerDecoderBase
 
-    from fairseq_ext.sat.model import SATDecoder
-
-    own = type(decoder).extract_features_scriptable
-    return isinstance(decoder, TransformerDecoderBase) and own in (
-        TransformerDecoderBase.extract_features_scriptable, SATDecoder.extract_features_scriptable,
-        LeanIncrementalDecoding.extract_features_scriptable)  # lean_decoder applied before: the same step
+    if not isinstance(decoder, TransformerDecoderBase):
+        return False
+    owner = next(c for c in type(decoder).__mro__ if "extract_features_scriptable" in vars(c))
+    return owner is TransformerDecoderBase or bool(vars(owner).get("supports_lean_step", False))
 
 
 def attention_refusal(att) -> Optional[str]:
     """Why the lean code does not compute fairseq's ``MultiheadAttention`` ``att``, or None."""
+    from fairseq.modules import MultiheadAttention
+
+    if type(att).forward is not MultiheadAttention.forward:
+        return f"attention with its own code ({type(att).__name__})"
     if att.bias_k is not None or att.add_zero_attn:
         return "bias_k / zero attention"
     if not (att.qkv_same_dim and att.head_dim * att.num_heads == att.embed_dim):
@@ -85,9 +95,9 @@ def lean_refusal(decoder) -> Optional[str]:
     from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 
     layers = list(getattr(decoder, "layers", []))
-    if not layers or not _computes_what_fairseq_does(decoder):
-        return (f"lean_decoder: {type(decoder).__name__} is not fairseq's transformer decoder (or the SAT decoder); "
-                f"its own step is not the lean one: decode it without lean-decoder")
+    if not layers or not declares_lean_step(decoder):
+        return (f"lean_decoder: {type(decoder).__name__} does not declare supports_lean_step (fairseq's transformer "
+                f"decoder and the SAT decoder do); decode it with its own step, without lean-decoder")
     for i, layer in enumerate(layers):
         why = None
         if not (isinstance(layer, TransformerDecoderLayerBase)
@@ -109,19 +119,6 @@ def lean_refusal(decoder) -> Optional[str]:
     return None
 
 
-def lean_takes(decoder) -> bool:
-    """Whether the SAT generator decodes ``decoder`` through the lean step unless asked not to
-    (``--no-lean-step``), while it is float32 on the CPU (:func:`float32_on_cpu`; the step was written and
-    measured there): the lean step computes the decoder's step exactly (:func:`lean_refusal`), and its attention
-    modules are fairseq's own (``fast-attention`` gives them another path, which the user asked for)."""
-    from fairseq.modules import MultiheadAttention
-
-    if any(isinstance(m, MultiheadAttention) and type(m).forward is not MultiheadAttention.forward
-           for m in decoder.modules()):
-        return False
-    return lean_refusal(decoder) is None
-
-
 def float32_on_cpu(decoder) -> bool:
     """The decoder's word embeddings are float32 on the CPU (checked on every call: a model can be moved or
     cast after its generator was built, e.g. fairseq-train's ``--eval-bleu`` generator)."""
@@ -133,23 +130,6 @@ def _check(decoder):
     why = lean_refusal(decoder)
     if why:
         raise FairseqExtError(why)
-
-
-def fused_qkv(att):
-    """The three projections of ``att`` (a fairseq ``MultiheadAttention``) as one weight [3C, C] and bias, re-made
-    when a weight changes; None when one is not a float ``nn.Linear`` (e.g. int8): then they are called one by one.
-    Shared with :class:`fairseq_ext.inference.FastIncrementalAttention`."""
-    ws = (att.q_proj, att.k_proj, att.v_proj)
-    if not all(type(m) is torch.nn.Linear for m in ws):
-        return None
-    version = tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
-    if getattr(att, "_fused_qkv_version", None) != version:
-        with torch.no_grad():
-            att._fused_qkv = (torch.cat([m.weight for m in ws]).detach(),
-                              torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
-                                         for m in ws]).detach())
-        att._fused_qkv_version = version
-    return att._fused_qkv
 
 
 def int8_weight_rows(w: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
@@ -165,56 +145,73 @@ def int8_weight_rows(w: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
     return None
 
 
-def fused_qkv_int8(att):
-    """The three projections of ``att`` as one int8 module when all three are PyTorch's dynamically quantised
-    ``Linear`` with symmetric weights (:func:`int8_weight_rows`): their int8 weights stacked, each row keeping its
-    scale (per-channel scales), so one call gives the three outputs bit for bit (the activations are quantised
-    once, as each of the three calls did with the same input) in well under half the time (``python
-    benchmarks/bench_kernels.py``, one thread, 256 x 256 each: 93.9 -> 37.9 us for 4 rows, 117.7 -> 66.5 us for
-    24). Re-made when a projection gets new weights; None otherwise."""
-    ws = (att.q_proj, att.k_proj, att.v_proj)
-    if not all(isinstance(m, _DynamicQuantizedLinear) for m in ws):
-        return None
-    key = tuple(m._packed_params._packed_params for m in ws)
-    cached = getattr(att, "_fused_qkv_int8", None)
-    if cached is None or any(a is not b for a, b in zip(cached[0], key)):
-        fused = None
-        weights = [m._packed_params._weight_bias() for m in ws]
-        rows = [int8_weight_rows(w) for w, _ in weights]
-        if all(r is not None for r in rows):
-            ints = torch.cat([r[0] for r in rows])
-            scales = torch.cat([r[1] for r in rows])
-            wq = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros_like(scales, dtype=torch.long), 0)
-            bias = torch.cat([b if b is not None else w.new_zeros(w.size(0), dtype=torch.float) for w, b in weights])
-            fused = _DynamicQuantizedLinear(ws[0].in_features, ints.size(0), dtype=torch.qint8)
-            fused.set_weight_bias(wq, bias)
-        att._fused_qkv_int8 = cached = (key, fused)  # a tuple: not a submodule, no state_dict entry
-    return cached[1]
+def _stacked_float(ws):
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in ws]).detach()
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in ws]).detach()
+    return lambda x: F.linear(x, weight, bias)
 
 
-def fused_qkv_amx(att):
-    """The three projections of ``att`` as one :class:`~fairseq_ext.amx_int8.AmxInt8Linear` when all three are
-    (outputs bit for bit those of the three calls); re-made when one is replaced; None otherwise."""
-    ws = (att.q_proj, att.k_proj, att.v_proj)
-    if not all(isinstance(m, AmxInt8Linear) for m in ws):
+def _stacked_int8(ws):
+    """PyTorch's dynamically quantised ``Linear`` of the three stacked int8 weights, each row keeping its scale
+    (per-channel scales): the outputs equal the three calls' bit for bit (the activations are quantised once, as
+    each call did with the same input); None when a weight is not symmetric int8 (:func:`int8_weight_rows`)."""
+    weights = [m._packed_params._weight_bias() for m in ws]
+    rows = [int8_weight_rows(w) for w, _ in weights]
+    if any(r is None for r in rows):
         return None
-    cached = getattr(att, "_fused_qkv_amx", None)
-    if cached is None or any(a is not b for a, b in zip(cached[0], ws)):
-        att._fused_qkv_amx = cached = (ws, AmxInt8Linear.stacked(list(ws)))  # a tuple: not a submodule
+    ints = torch.cat([r[0] for r in rows])
+    scales = torch.cat([r[1] for r in rows])
+    wq = torch._make_per_channel_quantized_tensor(ints, scales, torch.zeros_like(scales, dtype=torch.long), 0)
+    bias = torch.cat([b if b is not None else w.new_zeros(w.size(0), dtype=torch.float) for w, b in weights])
+    fused = _DynamicQuantizedLinear(ws[0].in_features, ints.size(0), dtype=torch.qint8)
+    fused.set_weight_bias(wq, bias)
+    return fused
+
+
+def _stacked_amx(ws):
+    return AmxInt8Linear.stacked(list(ws))
+
+
+def _projection_key(ws):
+    """What identifies the three projections' weights now (a change makes the fused one again)."""
+    if all(type(m) is torch.nn.Linear for m in ws):
+        return "float", tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
+    if all(isinstance(m, _DynamicQuantizedLinear) for m in ws):
+        return "int8", tuple(m._packed_params._packed_params for m in ws)
+    if all(isinstance(m, AmxInt8Linear) for m in ws):
+        return "amx", ws
+    return None, None
+
+
+def _same_key(a, b) -> bool:
+    return a[0] == b[0] and all(x is y or (isinstance(x, tuple) and x == y) for x, y in zip(a[1], b[1]))
+
+
+def fused_qkv(att) -> Optional[Callable[[Tensor], Tensor]]:
+    """The three projections of ``att`` (a fairseq ``MultiheadAttention``) as one call x -> [q | k | v], whatever
+    they are: float ``nn.Linear`` (one [3C, C] product), PyTorch's int8 ``Linear`` (one int8 call, bit for bit the
+    three calls) or ``AmxInt8Linear`` (one stacked call, bit for bit); made once and again when a weight changes;
+    None for any other mix (then they are called one by one). One int8 call instead of three costs well under half
+    (``python benchmarks/bench_kernels.py``)."""
+    ws = (att.q_proj, att.k_proj, att.v_proj)
+    kind, key = _projection_key(ws)
+    if kind is None:
+        return None
+    cached = getattr(att, "_fairseq_ext_fused_qkv", None)
+    if cached is None or not _same_key(cached[0], (kind, key)):
+        make = {"float": _stacked_float, "int8": _stacked_int8, "amx": _stacked_amx}[kind]
+        cached = ((kind, key), make(ws))
+        object.__setattr__(att, "_fairseq_ext_fused_qkv", cached)  # a tuple: not a submodule, no state_dict entry
     return cached[1]
 
 
 def qkv(att, x: Tensor):
-    """Queries, keys and values of x [T, B, C] through ``att``'s projections: fused when :func:`fused_qkv` (float),
-    :func:`fused_qkv_int8` or :func:`fused_qkv_amx` can, else one by one."""
+    """Queries, keys and values of x [T, B, C] through ``att``'s projections: one fused call (:func:`fused_qkv`)
+    where it can, else one by one."""
     fused = fused_qkv(att)
     if fused is not None:
-        return F.linear(x, fused[0], fused[1]).chunk(3, dim=-1)
-    fused8 = fused_qkv_int8(att)
-    if fused8 is None:
-        fused8 = fused_qkv_amx(att)
-    if fused8 is not None:
-        return fused8(x).chunk(3, dim=-1)
+        return fused(x).chunk(3, dim=-1)
     return att.q_proj(x), att.k_proj(x), att.v_proj(x)
 
 
@@ -252,7 +249,7 @@ def append_to_cache(buf: Optional[Tensor], old: Optional[Tensor], new: Tensor, n
     """Writes the new keys or values [B, H, T, d] at positions n..n+T-1 of a buffer preallocated ``block``
     positions at a time (re-made, with the n cached positions ``old`` copied in, when there is none, it is too
     small, or ``old`` is not a view of it, e.g. a cache that fairseq's path wrote); returns (buffer, view of
-    positions 0..n+T-1). Shared with :class:`fairseq_ext.inference.FastIncrementalAttention`."""
+    positions 0..n+T-1)."""
     B, H, T, d = new.shape
     if buf is None or old is None or buf.size(0) != B or old.data_ptr() != buf.data_ptr() or n + T > buf.size(2):
         grown = new.new_empty(B, H, max(block, 2 * (n + T)), d)
@@ -312,6 +309,13 @@ def reorder_cache(buf: Tensor, spare: Optional[Tensor], order: Tensor, n: int) -
     return spare, buf
 
 
+def causal_mask(first_query: int, num_keys: int, like: Tensor) -> Tensor:
+    """Additive causal mask (0 / -inf) of query positions first_query..num_keys-1 over keys 0..num_keys-1."""
+    i = torch.arange(first_query, num_keys, device=like.device).unsqueeze(1)
+    j = torch.arange(num_keys, device=like.device).unsqueeze(0)
+    return torch.zeros(i.size(0), num_keys, dtype=like.dtype, device=like.device).masked_fill_(j > i, float("-inf"))
+
+
 def lean_applies(decoder, prev_output_tokens: Tensor, incremental_state, full_context_alignment: bool = False,
                  alignment_layer: Optional[int] = None) -> bool:
     """Whether this call of ``decoder`` (an incremental step) is one the lean step computes: outside training
@@ -346,8 +350,8 @@ def lean_step(decoder, prev_output_tokens: Tensor, encoder_out, incremental_stat
     x = embed_decoder_input(decoder, prev_output_tokens[:, n:], positions)
     mask: Optional[Tensor] = None
     if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
-        from fairseq_ext.sat.model import relaxed_causal_mask
-        mask = relaxed_causal_mask(n, slen, K, x)
+        own = getattr(decoder, "incremental_self_attn_mask", None)
+        mask = own(n, slen, x) if own is not None else causal_mask(n, slen, x)
 
     enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
     if enc is None:
@@ -470,6 +474,8 @@ class LeanIncrementalDecoding:
     """Mixed into a decoder's class by :func:`lean_decoder` (before the decoder's own class): overrides
     ``extract_features_scriptable`` for incremental steps (:func:`lean_step`) and ``reorder_incremental_state``
     for its state, so that any generator (fairseq's too) decodes through the lean step."""
+
+    supports_lean_step = True  # its extract_features_scriptable is the lean step (or the decoder's own one)
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
                                     full_context_alignment: bool = False, alignment_layer: Optional[int] = None,

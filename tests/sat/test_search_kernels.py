@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
-from fairseq_ext import search_kernels
+from fairseq_ext.sat import search_kernels
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.sat.generator import SATEnsembleModel, SATSequenceGenerator
 from tests.builders import SAT_DICT as DICT
 from tests.builders import sat_model
-from tests.test_sat import _batch, _same_hypos, _sample
+from tests.sat.test_sat import _batch, _same_hypos, _sample
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 needs_kernels = pytest.mark.skipif(search_kernels.refusal() is not None, reason=f"{search_kernels.refusal()}")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fairseq_ext.bert_jam import e5_convert
-from fairseq_ext.bert_jam.e5_convert import dequantize_q4_0, quantize_q4_0
+from fairseq_ext.bert_jam import e5_format
+from fairseq_ext.bert_jam.e5_format import dequantize_q4_0, quantize_q4_0
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
@@ -57,7 +58,7 @@ def tiny(tmp_path_factory):
             p.copy_(torch.randn_like(p) * (0.3 if "LayerNorm.weight" not in name else 0.1)
                     + (1.0 if "LayerNorm.weight" in name else 0.0))
     path = str(d / "tiny-q4.bin")
-    e5_convert.write_e5s1(path, model.state_dict(), dict(CONFIG, vocab_size=config.vocab_size), PIECES,
+    e5_format.write_e5s1(path, model.state_dict(), dict(CONFIG, vocab_size=config.vocab_size), PIECES,
                           scores_for(PIECES), norm_map=NORM_MAP)
     out = str(d / "bert")
     assert e5_convert.main(["--input", path, "--out", out]) == 0
@@ -145,7 +146,7 @@ def test_q4_0_matches_reference_decoder():
 
 def test_round_trip_gives_exactly_the_dequantised_model(tiny):
     path, model, out = tiny
-    e5 = e5_convert.read_e5s1(path)
+    e5 = e5_format.read_e5s1(path)
     assert e5.pieces == PIECES and e5.norm_map == NORM_MAP and (e5.bos, e5.pad, e5.eos, e5.unk) == (0, 1, 2, 3)
     np.testing.assert_array_equal(e5.scores, scores_for(PIECES))
     with open(os.path.join(out, "config.json")) as f:

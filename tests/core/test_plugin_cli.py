@@ -65,6 +65,71 @@ def test_models_never_import_tasks():
             assert not [m for m in imported if m.startswith("fairseq_ext.") and m.endswith(".task")], (paper, name)
 
 
+PAPERS = ("convs2s", "msc", "sat", "bert_jam")
+
+
+def _package_imports():
+    """{module: the fairseq_ext modules it imports, at any depth of its code} for every module of the package."""
+    import ast
+
+    out = {}
+    for folder, _, files in os.walk(USER_DIR):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, os.path.dirname(USER_DIR))[:-3].replace(os.sep, ".")
+            module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+            package = module if name == "__init__.py" else module.rsplit(".", 1)[0]
+            found = set()
+            for n in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(n, ast.ImportFrom):
+                    base = n.module or ""
+                    if n.level:  # relative: from the package, n.level - 1 levels up
+                        parts = package.split(".")
+                        base = ".".join(parts[: len(parts) - n.level + 1] + ([base] if base else []))
+                    found.update(f"{base}.{a.name}" if base == "fairseq_ext" or base.endswith(tuple(PAPERS))
+                                 else base for a in n.names)
+                elif isinstance(n, ast.Import):
+                    found.update(a.name for a in n.names)
+            out[module] = {m for m in found if m == "fairseq_ext" or m.startswith("fairseq_ext.")}
+    return out
+
+
+def _folder(module):
+    """The room of a module: its paper folder, "inference", or "core" (the modules at the package root)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PAPERS + ("inference",)) else "core"
+
+
+def test_shared_code_never_imports_a_paper_folder_and_no_loop_across_folders():
+    """The package's import rules: the root modules ("core") and fairseq_ext/inference/ never import a paper folder
+    (a decoder declares what the lean step needs instead); paper folders import the shared code, never each other;
+    and the folders' import graph has no cycle (an import inside a function counts too)."""
+    imports = _package_imports()
+    assert "fairseq_ext.inference.lean_decoder" in imports and "fairseq_ext.sat.generator" in imports
+    edges = set()
+    for module, deps in imports.items():
+        for dep in deps:
+            a, b = _folder(module), _folder(dep)
+            if module == "fairseq_ext" or a == b:  # the package's __init__ registers the papers
+                continue
+            if a in ("core", "inference"):
+                assert b not in PAPERS, f"{module} (shared) imports {dep} (a paper folder)"
+            if a in PAPERS:
+                assert b not in PAPERS, f"{module} imports another paper's {dep}"
+            edges.add((a, b))
+    # no cycle across folders
+    graph = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, seen + (n,))) for n in graph.get(start, ()))
+
+    assert not [f for f in graph if reaches(f, f)], edges
+
+
 def test_python_m_fairseq_ext_prints_the_user_dir():
     assert run_module("fairseq_ext", []).stdout.strip() == USER_DIR
 
@@ -102,3 +167,21 @@ def test_round_trip_with_user_dir(tiny_transformer_dir, tmp_path):
     updates_after_2 = load_checkpoint_file(os.path.join(r, "checkpoint2.pt"))["optimizer_history"][-1]["num_updates"]
     assert re.search(rf"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ {updates_after_2} updates\)", log), log[-3000:]
     assert os.path.isfile(os.path.join(r, "checkpoint3.pt"))
+
+
+MAX_LINES = 700
+
+
+def test_every_source_file_is_at_most_700_lines():
+    """Files a reader reads top to bottom: every Python and C source of the package, the benchmarks and the tools."""
+    long = []
+    for top in ("fairseq_ext", "benchmarks", "tools"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith((".py", ".c", ".sh")):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as f:
+                        n = sum(1 for _ in f)
+                    if n > MAX_LINES:
+                        long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not long, long

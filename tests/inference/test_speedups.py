@@ -1,7 +1,7 @@
-"""fairseq_ext.inference's float32 decoding speed-ups: ``prepack_output`` (MKL packed GEMM for the softmax
-projection) and ``fast_attention`` (fused QKV, scaled_dot_product_attention, preallocated key/value cache).
-Both must give the plain model's outputs (1e-5), keep incremental == full pass, reorder their caches with a
-permutation, and leave the generator's hypotheses as they were."""
+"""fairseq_ext.inference's decoding speed-ups: ``prepack_output`` (MKL packed GEMM for the softmax projection), the
+lean decoder step and encoder layer, int8 and the speed-ups by name. The float32 ones must give the plain model's
+outputs (1e-5), keep incremental == full pass, reorder their caches with a permutation, and leave the generator's
+hypotheses as they were."""
 
 import os
 import shutil
@@ -9,16 +9,17 @@ import shutil
 import pytest
 import torch
 from fairseq.models.transformer import TransformerModel
+from fairseq.modules import MultiheadAttention
 from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
-import fairseq_ext.lean_decoder as lean_module
-from fairseq_ext import amx_int8
+import fairseq_ext.inference.lean_decoder as lean_module
+from fairseq_ext.inference import amx_int8
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import (FastIncrementalAttention, PackedLinear, apply_speedups, fast_attention,
-                                   prepack_output, quantize_decoder, quantize_encoder)
-from fairseq_ext.lean_decoder import LeanIncrementalDecoding, lean_decoder
-from fairseq_ext.lean_encoder import lean_encoder
+from fairseq_ext.inference.speedups import (PackedLinear, apply_speedups, prepack_output, quantize_decoder,
+                                           quantize_encoder)
+from fairseq_ext.inference.lean_decoder import LeanIncrementalDecoding, lean_decoder
+from fairseq_ext.inference.lean_encoder import lean_encoder
 from fairseq_ext.release import read_manifest, verify
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, sat_decoder_input
@@ -28,6 +29,13 @@ from tests.helpers import ROOT, assert_close, run_cli
 from tests.helpers import DEMO
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class _OwnAttention(MultiheadAttention):
+    """fairseq's attention with a forward of its own (the same numbers): not what the lean step computes."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs)
 
 
 def _batch(bsz=4, src_len=7, tgt_len=13, seed=1):
@@ -40,11 +48,6 @@ def _batch(bsz=4, src_len=7, tgt_len=13, seed=1):
     prev = torch.randint(DICT.nspecial, len(DICT), (bsz, tgt_len), generator=g)
     prev[:, 0] = DICT.eos()
     return src, lengths, prev
-
-
-def _fast(K, seed=0, prepack=False):
-    m = fast_attention(sat_model(K, seed=seed))
-    return prepack_output(m) if prepack else m
 
 
 # -- PackedLinear ---------------------------------------------------------------------------------------------
@@ -98,30 +101,6 @@ def test_prepack_output_keeps_tied_weights_state_dict_and_hypotheses():
     assert proj._packs  # the packed kernel did run
 
 
-# -- FastIncrementalAttention ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("K", [1, 2, 3])
-def test_fast_attention_incremental_equals_full_pass(K, monkeypatch):
-    monkeypatch.setattr(FastIncrementalAttention, "CACHE_BLOCK", 4)  # the cache grows several times
-    plain, m = sat_model(K, seed=2), _fast(K, seed=2)
-    assert sum(isinstance(x, FastIncrementalAttention) for x in m.decoder.modules()) == 4  # 2 layers x 2
-    assert not any(isinstance(x, FastIncrementalAttention) for x in m.encoder.modules())
-    src, lengths, prev = _batch()
-    sat_in = sat_decoder_input(prev, K, DICT.eos())
-    with torch.no_grad():
-        enc = m.encoder(src, lengths)
-        full, _ = plain.decoder(sat_in, enc)
-        state, outs = {}, []
-        # one group per call, then several groups at once (the relaxed mask within the step)
-        ends = list(range(K, 4 * K + 1, K)) + [sat_in.size(1)]
-        for end in ends:
-            out, _ = m.decoder(sat_in[:, :end], enc, incremental_state=state)
-            outs.append(out)
-    assert_close(torch.cat(outs, 1), full, 1e-5, f"K={K} fast incremental vs full pass")
-    buf = next(v for v in state.values() if "cache_key" in v)
-    assert buf["cache_key"].size(2) >= sat_in.size(1) > 4  # grown past CACHE_BLOCK
-    assert buf["prev_key"].data_ptr() == buf["cache_key"].data_ptr()  # the cache is a view, not a copy
-
-
 def _reorder_matches_full_pass(plain, m, K, src, lengths, prev, perms):
     """Two groups decoded incrementally, the caches reordered by each permutation, the third group: equal to the
     plain model's full pass over the permuted rows (outputs and alignment attention, 1e-5)."""
@@ -139,20 +118,9 @@ def _reorder_matches_full_pass(plain, m, K, src, lengths, prev, perms):
             assert_close(extra["attn"][0], full_extra["attn"][0][:, 2 * K: 3 * K], 1e-5, "attention after reorder")
 
 
-@pytest.mark.parametrize("K", [1, 2])
-def test_fast_attention_reorder_with_a_permutation(K):
-    plain, m = sat_model(K, seed=3), _fast(K, seed=3)
-    src, lengths, prev = _batch()
-    # rows 2s, 2s+1 are two hypotheses of sentence s (same source), as in beam search: fairseq leaves the
-    # encoder-attention cache alone for a same-size reorder, which only ever permutes hypotheses of a sentence
-    src, lengths = src[:2].repeat_interleave(2, dim=0), lengths[:2].repeat_interleave(2)
-    _reorder_matches_full_pass(plain, m, K, src, lengths, prev,
-                               (torch.tensor([1, 1, 3, 2]), torch.tensor([3, 2]), torch.tensor([0, 1, 2, 3])))
-
-
 @pytest.mark.parametrize("K", [1, 2, 4])
-def test_fast_attention_and_prepack_keep_the_hypotheses(K):
-    _same_hypotheses(sat_model(K, seed=4), _fast(K, seed=4, prepack=True), K)
+def test_prepack_keeps_the_hypotheses(K):
+    _same_hypotheses(sat_model(K, seed=4), prepack_output(sat_model(K, seed=4)), K)
 
 
 def _same_hypotheses(plain, m, K, tol=1e-5):
@@ -173,39 +141,9 @@ def _same_hypotheses(plain, m, K, tol=1e-5):
                 assert_close(x["attention"], y["attention"], tol, "alignment attention")
 
 
-def test_fast_attention_on_a_fairseq_transformer_with_its_own_generator():
-    """The plain ``transformer`` (what bench_sat's 'ours K=1' decodes) under fairseq's SequenceGenerator, whose
-    beam search reorders the caches after every step."""
-    torch.manual_seed(6)
-    plain = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
-    m = TransformerModel.build_model(sat_args("transformer"), SatTask()).eval()
-    m.load_state_dict(plain.state_dict())
-    fast_attention(m)
-    src, lengths, _ = _batch(bsz=3, seed=9)
-    sample = sat_sample(src, lengths)
-    a = SequenceGenerator([plain], DICT, beam_size=3, max_len_b=6).generate([plain], sample)
-    b = SequenceGenerator([m], DICT, beam_size=3, max_len_b=6).generate([m], sample)
-    for ha, hb in zip(a, b):
-        assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
-        assert all(abs(float(x["score"]) - float(y["score"])) < 1e-5 for x, y in zip(ha, hb))
-
-
-def test_fast_attention_with_int8_projections_and_in_training():
-    m = fast_attention(quantize_decoder(sat_model(2, seed=8), layers="decoder"))  # separate int8 q/k/v calls
-    src, lengths, _ = _batch(bsz=2)
-    out = SATSequenceGenerator([m], DICT, beam_size=2, max_len_a=0, max_len_b=4, min_len=4).generate(
-        [m], sat_sample(src, lengths))
-    assert [len(h[0]["tokens"]) for h in out] == [5, 5]
-    # training: fairseq's path (autograd, dropout), so the loss and gradients are the plain model's
-    t = fast_attention(sat_model(2, seed=9)).train()
-    src, lengths, prev = _batch(bsz=2)
-    t(src, lengths, prev)[0].sum().backward()
-    assert t.decoder.layers[0].self_attn.q_proj.weight.grad is not None
-
-
 def test_refusals():
     with pytest.raises(FairseqExtError, match="no .decoder"):
-        fast_attention(torch.nn.Linear(2, 2))
+        quantize_decoder(torch.nn.Linear(2, 2))
     with pytest.raises(FairseqExtError, match="output_projection"):
         prepack_output(torch.nn.Linear(2, 2))
 
@@ -348,7 +286,7 @@ def test_int8_qkv_fused_bit_for_bit_and_remade_for_new_weights():
     x = torch.randn(3, 4, att.q_proj.in_features)
     with torch.inference_mode():
         fused = lean_module.qkv(att, x)
-        assert lean_module.fused_qkv_int8(att) is not None
+        assert lean_module.fused_qkv(att) is not None
         for got, proj in zip(fused, (att.q_proj, att.k_proj, att.v_proj)):
             assert torch.equal(got, proj(x))  # one int8 call, the three outputs exactly
     other = quantize_decoder(sat_model(2, seed=30), layers="decoder").decoder.layers[0].self_attn
@@ -394,7 +332,7 @@ def test_lean_decoder_keeps_the_hypotheses(K):
 def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model(monkeypatch):
     """The generator's default: every decoder call through lean_decoder.lean_step (the model's class
     unchanged); lean_step=False: the decoder's own step; the own step where the lean step does not compute the
-    decoder or is not for it (MSC, fast-attention's modules, float64)."""
+    decoder or is not for it (MSC, attention modules with their own code, float64)."""
     import fairseq_ext.sat.generator as generator_module
     calls = []
     real = generator_module.lean_step
@@ -412,7 +350,10 @@ def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model
         own = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=6, min_len=6, lean_step=False)
         own.generate([m], sample)
         assert not own.uses_lean_step and not calls and own.decoder_calls == gen.decoder_calls
-    for other in (msc_build()[0], fast_attention(sat_model(2, seed=31)), sat_model(2, seed=31).double()):
+    own_attention = sat_model(2, seed=31)
+    for layer in own_attention.decoder.layers:  # attention modules of another class: their own code runs
+        layer.self_attn.__class__ = _OwnAttention
+    for other in (msc_build()[0], own_attention, sat_model(2, seed=31).double()):
         assert not SATSequenceGenerator([other], DICT, beam_size=2).uses_lean_step
     mixed = lean_decoder(sat_model(2, seed=31))  # lean-decoder applied: the same step, counted as the lean one
     assert SATSequenceGenerator([mixed], DICT, beam_size=2).uses_lean_step
@@ -473,8 +414,44 @@ def test_lean_decoder_refuses_what_it_does_not_compute():
         lean_decoder(m)
     # decoders that compute other features (MSC's block-scale collaboration) are refused, not run wrongly
     from tests.builders import msc_build
-    with pytest.raises(FairseqExtError, match="is not fairseq's transformer decoder.*without lean-decoder"):
+    with pytest.raises(FairseqExtError, match="MSCDecoder does not declare supports_lean_step.*without lean-decoder"):
         lean_decoder(msc_build()[0])
+
+
+def test_lean_step_reads_the_declaration_of_the_class_that_defines_the_features():
+    """A decoder opts in with supports_lean_step in the class that defines extract_features_scriptable: a subclass
+    that only inherits keeps it; a subclass that overrides the features without declaring again is refused (its
+    own step runs, even in the SAT generator); one that declares again is taken. fairseq's own transformer
+    decoder needs no declaration."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    from fairseq_ext.inference.lean_decoder import declares_lean_step, lean_refusal
+    from fairseq_ext.sat.model import SATDecoder
+
+    class Inherits(SATDecoder):
+        pass
+
+    class Overrides(SATDecoder):
+        def extract_features_scriptable(self, *args, **kwargs):
+            return super().extract_features_scriptable(*args, **kwargs)
+
+    class Declares(Overrides):
+        supports_lean_step = True
+
+        def extract_features_scriptable(self, *args, **kwargs):
+            return super().extract_features_scriptable(*args, **kwargs)
+
+    m = sat_model(2, seed=3)
+    assert declares_lean_step(m.decoder) and lean_refusal(m.decoder) is None
+    for cls, takes in ((Inherits, True), (Overrides, False), (Declares, True)):
+        m.decoder.__class__ = cls
+        assert declares_lean_step(m.decoder) == takes, cls.__name__
+        assert SATSequenceGenerator([m], DICT, beam_size=2).uses_lean_step == takes, cls.__name__
+    m.decoder.__class__ = Overrides
+    assert lean_refusal(m.decoder).startswith("lean_decoder: Overrides does not declare supports_lean_step")
+    t = TransformerModel.build_model(sat_args("transformer"), SatTask())
+    assert type(t.decoder).extract_features_scriptable is TransformerDecoderBase.extract_features_scriptable
+    assert declares_lean_step(t.decoder) and lean_refusal(t.decoder) is None
 
 
 # -- lean_encoder ---------------------------------------------------------------------------------------------
@@ -524,8 +501,8 @@ def test_lean_encoder_with_int8_projections_and_refusals(monkeypatch):
     plain = quantize_encoder(sat_model(2, seed=42))
     lean = lean_encoder(quantize_encoder(sat_model(2, seed=42)))
     fused = []
-    make = lean_module.fused_qkv_int8
-    monkeypatch.setattr(lean_module, "fused_qkv_int8", lambda att: fused.append(att) or make(att))
+    make = lean_module.fused_qkv
+    monkeypatch.setattr(lean_module, "fused_qkv", lambda att: fused.append(att) or make(att))
     src, lengths, _ = _batch()
     with torch.inference_mode():
         want = float_model.encoder(src, src_lengths=lengths)["encoder_out"][0]
@@ -542,7 +519,7 @@ def test_lean_encoder_with_int8_projections_and_refusals(monkeypatch):
 
 # -- apply_speedups and --inference-speedups ------------------------------------------------------------------
 def test_apply_speedups_by_name_once_each():
-    m = apply_speedups(sat_model(2, seed=10), "prepack, fast-attention")
+    m = apply_speedups(sat_model(2, seed=10), "prepack, lean-decoder")
     assert isinstance(m.decoder.output_projection, PackedLinear)
     proj = m.decoder.output_projection
     apply_speedups(m, "prepack")  # already applied: nothing changes
@@ -551,12 +528,15 @@ def test_apply_speedups_by_name_once_each():
         apply_speedups(sat_model(2), "fast", flag="--inference-speedups")
     with pytest.raises(FairseqExtError, match="int8-decoder and prepack both replace the softmax projection"):
         apply_speedups(sat_model(2), "prepack,int8-decoder")
+    with pytest.raises(FairseqExtError, match="--inference-speedups: fast-attention was retired: the lean decoder "
+                                              "step does what it did .* use lean-decoder"):
+        apply_speedups(sat_model(2), "fast-attention,prepack", flag="--inference-speedups")
 
 
 @pytest.mark.slow
 def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
-    """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups
-    fast-attention,prepack and lean-decoder,lean-encoder give the float model's translations (and int8-decoder
+    """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups prepack and
+    lean-decoder,lean-encoder give the float model's translations (and int8-decoder
     and, where the CPU has AMX, amx-int8-* translations with the meaning kept); an unknown name stops it with one
     line naming the flag."""
     release_dir = os.path.join(ROOT, "releases", "bible-de-en")
@@ -578,7 +558,7 @@ def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     plain = translate()  # through the generator's default lean step
     assert len(plain) == len(DEMO)
     assert translate("--no-lean-step") == plain  # the decoder's own step
-    assert translate("--inference-speedups", "fast-attention,prepack") == plain
+    assert translate("--inference-speedups", "prepack") == plain
     assert translate("--inference-speedups", "lean-decoder,lean-encoder") == plain
     for out, words in zip(translate("--inference-speedups", "int8-decoder"), DEMO.values()):
         assert all(w in out for w in words), out
