@@ -9,9 +9,15 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
                     ``--sat-init-from``
     generator.py    the semi-autoregressive generator (greedy and group beam search) and
                     :func:`~fairseq_ext.sat.generator.build_sat_generator`
+    group_step.py   the beam's group step: the exact top B K-word continuations (enumerated or pruned)
+    search_kernels.py  two parts of the search in C (``kernels/search_kernels.c``): the log-softmax read as its
+                    B best words and EOS, and the enumerated group step
     task.py         ``--task translation_sat``: fairseq's translation task with that generator
     distill.py      ``python -m fairseq_ext.sat.distill``: a distilled training set from fairseq-generate output
-    position_ce.py  ``python -m fairseq_ext.sat.position_ce``: cross-entropy by target position (Figure 4)
+    position_ce.py  ``python -m fairseq_ext.sat.position_ce``: cross-entropy by target position (Figure 6)
+
+The decoder step and the opt-in speed-ups are shared with fairseq's transformer: :mod:`fairseq_ext.inference`.
+Guide: docs/sat_transformer.md; benchmarks: benchmarks/bench_sat.py and benchmarks/README.md.
 """
 
 from fairseq_ext.sat import model, task  # noqa: F401  (registers sat_transformer and translation_sat)
