@@ -1,4 +1,4 @@
-"""Where a batch-1 search's time goes, part by part (docs/sat_transformer.md, runs K and L): our K=1 and the SAT
+"""Where a batch-1 search's time goes, part by part (docs/sat_transformer.md, "Measured"): our K=1 and the SAT
 models of ``bench_sat.py --random-init`` (the quickstart's sizes, random weights) decode random sources with
 exactly --length words + EOS, and each part of ``generate`` is timed where it runs:
 
@@ -9,7 +9,7 @@ exactly --length words + EOS, and each part of ``generate`` is timed where it ru
   (``_constrain``);
 * the rest of the search (on PyTorch's path the top B, EOS; bookkeeping): the sentence's time less the parts above.
 
-The generator takes its defaults: the lean decoder step and :mod:`fairseq_ext.search_kernels` where it runs
+The generator takes its defaults: the lean decoder step and :mod:`fairseq_ext.sat.search_kernels` where they run
 (``--no-lean-step``: the decoder's own step and PyTorch's log-softmax). Then the reorder
 alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
 ``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.

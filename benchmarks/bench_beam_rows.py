@@ -1,12 +1,12 @@
-"""Per-row work of the SAT beam step (docs/sat_transformer.md, run H): what one step of the group beam search
-spends on each distribution row besides the decoder, before and after ``fairseq_ext.sat.generator``'s
-``top_b`` and its NaN check on selected values only.
+"""Per-row work of the SAT beam step: what one step of the group beam search spends on each distribution row
+besides the decoder, with ``topk`` and with ``fairseq_ext.sat.generator``'s ``top_b``, and with a full NaN pass and
+with the generator's check on the selected values only.
 
     python benchmarks/bench_beam_rows.py [--vocab 8000] [--beam 4] [--rows 4 16 24] [--threads 1]
 
 For each row count (beam 4: K=1 -> 4 rows, K=4 -> 16, K=6 -> 24) it times, on log-probabilities of random
-scores, ``topk`` against ``top_b`` (checking equal values), and the full ``isnan`` -> -inf pass that the
-search no longer makes on a CPU against the check on the selected values that replaces it. Microseconds are the
+scores, ``topk`` against ``top_b`` (checking equal values), and fairseq's full ``isnan`` -> -inf pass (which the
+search makes on a GPU) against the check on the selected values (which it makes on a CPU). Microseconds are the
 best of 5 timed repeats; the ratios are measured in the same run.
 """
 

@@ -1,8 +1,8 @@
-"""msc_transformer decoding latency (issue 17.3): the legacy decoding path against the current one, batch 1,
+"""msc_transformer decoding latency: the legacy decoding path against the current one, batch 1,
 beam 4 and greedy, measured in one process with the contenders interleaved; prints ms/sentence, the ratio,
 and whether the hypotheses and scores are identical.
 
-* ``legacy``: the path before issue 17.3, rebuilt on the same model by patching three methods: every step
+* ``legacy``: the eager-reorder path, rebuilt on the same model by patching three methods: every step
   reorders all 2N+1 MSC encoder tensors (``msc_blocks``, ``msc_contexts``) and every cross-attention cache
   (one per hypothesis: the 2N encoder/context attentions compute their keys and values for every hypothesis).
 * ``current``: fairseq's stock ``reorder_incremental_state`` (static caches stay put under beam-local
@@ -64,7 +64,7 @@ def build(arch, layers_per_block, vocab=10000):
 
 @contextlib.contextmanager
 def legacy(model):
-    """The decoding path before issue 17.3 (eager reorders, one cross-attention cache per hypothesis)."""
+    """The legacy decoding path (eager reorders, one cross-attention cache per hypothesis)."""
     from fairseq.modules import MultiheadAttention
 
     enc_cls = type(model.encoder)

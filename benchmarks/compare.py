@@ -1,5 +1,4 @@
-"""Train and measure every architecture on the bundled Bible corpus (German -> English), in one command (issue #7,
-issue #16).
+"""Train and measure every architecture on the bundled Bible corpus (German -> English), in one command.
 
     python benchmarks/compare.py [--minutes-per-model 11] [--workdir work/compare] [--only a,b] [--smoke]
                                  [--docs-dir docs] [--latency-sentences 100] [--threads 2] [--eval-threads 1]
@@ -36,7 +35,7 @@ log's ``wps``), peak RSS of the training process, sacreBLEU (detokenised, with s
 (greedy, the teacher choice) and the test set with beam 4 and greedy (single reference, and for De->En also
 against the three English translations), latency at batch 1 (ms/sentence over the first ``--latency-sentences``
 test sentences) and throughput at batch 64 (sentences/s over the test set). Every fairseq tool runs in a child
-process forked from one server that has imported fairseq once (saves ~9 s of imports per step); the child's
+process forked from one server that has imported fairseq once (no step pays fairseq's imports); the child's
 ``ru_maxrss`` is the peak memory.
 
 Writes ``WORKDIR/results.json``, ``DOCS/results.json``, ``DOCS/RESULTS.md`` (the text between the

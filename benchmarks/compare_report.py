@@ -7,7 +7,7 @@ import os
 import platform
 import statistics
 
-from bench_sat import TARGETS as SAT_SPEEDUP_TARGETS  # issue #4's batch-1 targets (not the paper's figures)
+from bench_sat import TARGETS as SAT_SPEEDUP_TARGETS  # the project's batch-1 targets (not the paper's figures)
 from compare_runner import CompareError
 from compare_specs import (BERT_JAM_PHASE_SHARES, CORPUS_DESCRIPTION, EXTRA_REFS_DESCRIPTION, RESULT_KEYS,
                            SMOKE_LINES, SMOKE_MAX_WORDS, SMOKE_VOCAB_SIZE, VOCAB_SIZE)

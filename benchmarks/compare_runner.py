@@ -183,7 +183,7 @@ class Runner:
     def run(self, job, args, log_path, what, poll=None, poll_s=2.0, threads=None):
         if self.ctx is None:
             self.ctx = multiprocessing.get_context("forkserver")
-            # torch._dynamo: imported by torch's optimizers on first use, ~8 s
+            # torch._dynamo: imported by torch's optimizers on first use, slowly: preloaded once here
             self.ctx.set_forkserver_preload(["fairseq_cli.train", "fairseq_cli.generate", "fairseq_cli.preprocess",
                                              "fairseq_ext", "torch._dynamo"])
         os.makedirs(os.path.dirname(log_path), exist_ok=True)

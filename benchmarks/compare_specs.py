@@ -76,7 +76,7 @@ BERT_JAM_ADAM = [("0.002" if a == "0.003" else a) for a in ADAM]
 # the default budget: the planned wall-clock minutes of a full default run on 2 idle cores (printed at start)
 # ---------------------------------------------------------------------------------------------------------
 DEFAULT_MINUTES_PER_MODEL = 11.0  # ~3,000 updates of the baseline at ~270 updates/min
-MAX_TOTAL_MINUTES = 180.0  # the bound for the default run
+MAX_TOTAL_MINUTES = 180.0  # the bound on a default run's planned total
 # estimates of the steps besides training (Bible verses are 2.9x as long as Ding's sentences and 2.3x as many):
 PLAN_PREPARE_MINUTES = 4.0  # BPE 8k on 29k verses, fairseq-preprocess of both directions, the MiniLM input
 PLAN_TRAIN_START_MINUTES = 0.3  # per fairseq-train process: loading the data, building the model

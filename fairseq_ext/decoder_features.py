@@ -3,8 +3,8 @@ that override that method (``msc_transformer``, ``bert_jam``, ``sat_transformer`
 the decoder input (token embeddings, scaled, quant-noised and projected as fairseq does, plus positions, layer
 norm and dropout) and the decoder output (head-averaged alignment attention, final layer norm, output
 projection); and for decoders that add several positions per incremental step (``sat_transformer``, the lean
-step of ``fairseq_ext.lean_decoder``), the length of fairseq's self-attention cache and the positional embeddings
-of the new positions."""
+step of ``fairseq_ext.inference.lean_decoder``), the length of fairseq's self-attention cache and the positional
+embeddings of the new positions."""
 
 from typing import Dict, List, Optional, Tuple
 

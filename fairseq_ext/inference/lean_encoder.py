@@ -2,10 +2,10 @@
 what fairseq's ``TransformerEncoderLayerBase`` computes outside training, without its per-call bookkeeping.
 
 A generator runs the encoder once per batch, and at batch 1 it is a fixed cost per sentence that no K of the
-semi-autoregressive decoder shrinks: 1.5-2.0 ms of a 15-25 ms SAT sentence for the quickstart model with int8
-projections (docs/sat_transformer.md, run K). With int8 projections fairseq's ``MultiheadAttention`` cannot
-take PyTorch's fused path (it needs the float weights) and runs its own: three projections, two ``bmm`` and a
-softmax, and the padding mask filled in. Per layer this runs instead:
+semi-autoregressive decoder shrinks (``python benchmarks/bench_beam_parts.py`` prints its share of a sentence;
+``python benchmarks/bench_kernels.py --parts 4`` times these layers against fairseq's). With int8 projections
+fairseq's ``MultiheadAttention`` cannot take PyTorch's fused path (it needs the float weights) and runs its own:
+three projections, two ``bmm`` and a softmax, and the padding mask filled in. Per layer this runs instead:
 
 * self-attention (:func:`fairseq_ext.inference.lean_decoder.self_attention`): the queries, keys and values from one
   projection call (one float product or one int8 call whose outputs equal the three calls' bit for bit), then

@@ -37,10 +37,10 @@ LAYERS = ("output", "decoder")
 class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` in float32 on a CPU through MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, the kernel of
     torch's ``optimize_for_inference``): the weight is reordered once into MKL's panel layout, so a call with a
-    few rows no longer repacks the whole weight as the plain ``sgemm`` does. Measured on the 8,000 x 256 softmax
-    projection (one thread): 0.30 ms for 1 row either way, 0.59 vs 0.33 ms for 4 rows, 0.60 vs 0.36 ms for 6,
-    0.91 vs 0.61 ms for 24. Same float32 products; the sums may be ordered differently (differences ~1e-6
-    relative).
+    few rows no longer repacks the whole weight as the plain ``sgemm`` does: a call with a few rows costs about
+    what one row costs (``python benchmarks/bench_sat.py --random-init --fixed-length 27 --no-throughput --float-opt
+    prepack`` measures what it buys per sentence). Same float32 products; the sums may be ordered differently
+    (differences ~1e-6 relative).
 
     A packed copy is made per row count M (MKL packs for a given M) on the ``pack_after``-th call with that M,
     for M <= ``max_rows`` only, and at most ``max_packs`` are kept (the oldest is dropped); other calls, training
@@ -111,10 +111,9 @@ _AMX_INT8 = _amx_int8()
 class Int8RowsLinear(_DynamicQuantizedLinear):
     """PyTorch's dynamically quantised ``Linear`` (fbgemm) for the softmax projection, with oneDNN's int8 kernel
     for calls of :attr:`MIN_ROWS` rows or more where the CPU has AMX tiles. On the 8,000 x 256 projection
-    fbgemm's cost grows by about 10 us per row, oneDNN's by about 3 up to 24 rows and less beyond, but oneDNN
-    starts higher (``python benchmarks/bench_kernels.py``, one thread, fbgemm / oneDNN: 184 / 277 us for 4
-    rows, 325 / 304 for 16, 769 / 438 for 64, 20.7 / 6.1 ms for 1,024). So one-row and beam-4 calls keep
-    fbgemm, and the K x B rows of a SAT group and batched decoding take oneDNN.
+    fbgemm's cost grows faster with the row count than oneDNN's, but oneDNN starts higher; they cross near
+    :attr:`MIN_ROWS` (``python benchmarks/bench_kernels.py --parts 1`` times both by row count). So one-row and
+    beam-4 calls keep fbgemm, and the K x B rows of a SAT group and batched decoding take oneDNN.
 
     Both kernels get the same int8 weights and the same 7-bit activation quantisation (``reduce_range``, as
     fbgemm's), so the outputs agree up to the order of the float sums (~1e-7 relative, tested). The oneDNN
@@ -198,8 +197,8 @@ def quantize_encoder(model):
 
 def amx_quantize_decoder(model):
     """Every ``nn.Linear`` of ``model.decoder`` (the softmax projection too) as an int8 layer on AMX tiles
-    (:class:`fairseq_ext.amx_int8.AmxInt8Linear`), in place; returns the model in eval mode. Refused with one line
-    where the CPU, the OS or the compiler cannot run the kernel."""
+    (:class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`), in place; returns the model in eval mode. Refused with
+    one line where the CPU, the OS or the compiler cannot run the kernel."""
     return _amx_quantize(model, "decoder")
 
 

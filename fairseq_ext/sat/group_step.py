@@ -95,7 +95,7 @@ class GroupStep:
         return cache[key][1:]
 
     def _group_step_in_c(self, B: int, device) -> bool:
-        """Whether the enumerated step runs as one C call (:func:`fairseq_ext.search_kernels.enumerated_group`)."""
+        """Whether the enumerated step runs as one C call (:func:`fairseq_ext.sat.search_kernels.enumerated_group`)."""
         return self.native_group_step and device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
 
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):

