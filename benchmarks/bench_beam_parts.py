@@ -54,7 +54,7 @@ def timed(acc, key, fn):
     return wrapper
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--speedups", default="", help="fairseq_ext.inference speed-ups applied to every model "
                                                   "(apply_speedups names, comma-separated; default none)")
@@ -71,11 +71,110 @@ def main(argv=None):
     a = p.parse_args(argv)
     if min(a.beam, a.length, a.sentences, a.repeat, a.threads) < 1:
         p.error("--beam, --length, --sentences, --repeat and --threads must be positive")
+    return a
+
+
+def timed_generators(a, models, task, samples, names):
+    """A generator per model whose parts add their time to the model's accumulator: (gens, accs)."""
+    from fairseq_ext.inference.speedups import apply_speedups
+    from fairseq_ext.sat.generator import SATSequenceGenerator
+
+    gens, accs = {}, {}
+    for name in names:
+        m = apply_speedups(models[name], a.speedups) if a.speedups else models[name].eval()
+        g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
+                                 max_len_b=a.length, min_len=a.length, lean_step=not a.no_lean_step)
+        acc = accs[name] = collections.defaultdict(float)
+        g.model.decode_group = timed(acc, "decode", g.model.decode_group)
+        for method, key in (("_start", "encoder"), ("_reorder", "reorder"), ("_constrain", "constrain"),
+                            ("_logits_top", "top"),
+                            ("_enumerated_group", "step"), ("_pruned_group", "step")):
+            setattr(g, method, timed(acc, key, getattr(g, method)))
+        gens[name] = (g, m)
+        g.generate([m], samples[0])  # warm-up
+    return gens, accs
+
+
+def time_parts(a, gens, accs, samples, names):
+    """Each part's fastest of --repeat passes (seconds over all sentences) and the decoder calls per sentence."""
+    import torch
+
+    best = {name: collections.defaultdict(lambda: float("inf")) for name in names}
+    calls = {}
+    with torch.inference_mode():
+        for _ in range(a.repeat):
+            for name in names:
+                g, m = gens[name]
+                acc = accs[name]
+                acc.clear()
+                n_calls = 0
+                t0 = time.perf_counter()
+                for s in samples:
+                    g.generate([m], s)
+                    n_calls += g.decoder_calls
+                total = time.perf_counter() - t0
+                calls[name] = n_calls / len(samples)
+                b = best[name]
+                b["total"] = min(b["total"], total)
+                b["rest"] = min(b["rest"], total - sum(acc.values()))
+                for key, v in acc.items():
+                    b[key] = min(b[key], v)
+    return best, calls
+
+
+def print_parts(a, best, calls, n, names, step):
+    print(f"batch 1, beam {a.beam}, {a.length} words + EOS, {n} sentences, {a.threads} thread(s), "
+          f"speed-ups: {a.speedups or 'none'}, {step}; fastest of {a.repeat} passes per part")
+    print(f"{'us per decoder call':<58}" + "".join(f"{nm:>10}" for nm in names))
+    for key, label in PARTS:  # "-": a part that did not run
+        print(f"{label:<58}" + "".join(f"{best[nm][key] / n / calls[nm] * 1e6:>10.0f}"
+                                        if best[nm][key] < float("inf") else f"{'-':>10}" for nm in names))
+    print(f"{'encoder and the search buffers (_start), ms per sentence':<58}"
+          + "".join(f"{best[nm]['encoder'] / n * 1e3:>10.2f}" for nm in names))
+    print(f"{'decoder calls per sentence':<58}" + "".join(f"{calls[nm]:>10.1f}" for nm in names))
+    print(f"{'ms per sentence':<58}" + "".join(f"{best[nm]['total'] / n * 1e3:>10.2f}" for nm in names))
+    print(f"{'speed-up over K=1':<58}" + "".join(f"{best['K=1']['total'] / best[nm]['total']:>9.2f}x"
+                                                 for nm in names))
+
+
+def reorder_walk(a, gens, task, sample):
+    """The reorder alone, on the K=1 model's state after a search through the decoder's own step (fairseq's walk
+    does not reorder the lean step's state): fairseq's walk over every submodule against the generator's."""
     import torch
     from fairseq.models import FairseqIncrementalDecoder
 
-    from fairseq_ext.inference.speedups import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
+
+    g, m = gens["K=1"]
+    if g.uses_lean_step:
+        g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
+                                 max_len_b=a.length, min_len=a.length, lean_step=False)
+    captured = {}
+    reorder = g._reorder
+
+    def capture(state, encoder_outs, rows):
+        captured.update(state=state, encoder_outs=encoder_outs, rows=rows)
+        return reorder(state, encoder_outs, rows)
+
+    g._reorder = capture
+    with torch.inference_mode():
+        g.generate([m], sample)
+        g._reorder = reorder
+        if captured:
+            state, enc = captured["state"], captured["encoder_outs"]
+            same = torch.arange(captured["rows"].numel())
+            decoder = m.decoder
+            t_walk = best_us(lambda: FairseqIncrementalDecoder.reorder_incremental_state_scripting(
+                decoder, state, same), 300)
+            t_ours = best_us(lambda: g._reorder(state, enc, same), 300)
+            print(f"reorder of the K=1 state of the decoder's own step ({same.numel()} rows): fairseq's walk "
+                  f"over every submodule "
+                  f"{t_walk:.1f} us, the generator's _reorder {t_ours:.1f} us ({t_walk / t_ours:.2f}x)")
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    import torch
 
     torch.set_num_threads(a.threads)
     logging.getLogger("fairseq").setLevel(logging.WARNING)
@@ -86,83 +185,11 @@ def main(argv=None):
         models, _, _, task = build_random_models(margs, tmp)
         samples = random_sources(margs, task.source_dictionary, a.sentences)
         names = ["K=1", "K=2", "K=4", "K=6"]
-        gens, accs = {}, {}
-        for name in names:
-            m = apply_speedups(models[name], a.speedups) if a.speedups else models[name].eval()
-            g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
-                                     max_len_b=a.length, min_len=a.length, lean_step=not a.no_lean_step)
-            acc = accs[name] = collections.defaultdict(float)
-            g.model.decode_group = timed(acc, "decode", g.model.decode_group)
-            for method, key in (("_start", "encoder"), ("_reorder", "reorder"), ("_constrain", "constrain"),
-                                ("_logits_top", "top"),
-                                ("_enumerated_group", "step"), ("_pruned_group", "step")):
-                setattr(g, method, timed(acc, key, getattr(g, method)))
-            gens[name] = (g, m)
-            g.generate([m], samples[0])  # warm-up
-        best = {name: collections.defaultdict(lambda: float("inf")) for name in names}
-        calls = {}
-        with torch.inference_mode():
-            for _ in range(a.repeat):
-                for name in names:
-                    g, m = gens[name]
-                    acc = accs[name]
-                    acc.clear()
-                    n_calls = 0
-                    t0 = time.perf_counter()
-                    for s in samples:
-                        g.generate([m], s)
-                        n_calls += g.decoder_calls
-                    total = time.perf_counter() - t0
-                    calls[name] = n_calls / len(samples)
-                    b = best[name]
-                    b["total"] = min(b["total"], total)
-                    b["rest"] = min(b["rest"], total - sum(acc.values()))
-                    for key, v in acc.items():
-                        b[key] = min(b[key], v)
-
-        n = len(samples)
+        gens, accs = timed_generators(a, models, task, samples, names)
+        best, calls = time_parts(a, gens, accs, samples, names)
         step = "the lean step" if gens["K=1"][0].uses_lean_step else "the decoder's own step"
-        print(f"batch 1, beam {a.beam}, {a.length} words + EOS, {n} sentences, {a.threads} thread(s), "
-              f"speed-ups: {a.speedups or 'none'}, {step}; fastest of {a.repeat} passes per part")
-        print(f"{'us per decoder call':<58}" + "".join(f"{nm:>10}" for nm in names))
-        for key, label in PARTS:  # "-": a part that did not run
-            print(f"{label:<58}" + "".join(f"{best[nm][key] / n / calls[nm] * 1e6:>10.0f}"
-                                            if best[nm][key] < float("inf") else f"{'-':>10}" for nm in names))
-        print(f"{'encoder and the search buffers (_start), ms per sentence':<58}"
-              + "".join(f"{best[nm]['encoder'] / n * 1e3:>10.2f}" for nm in names))
-        print(f"{'decoder calls per sentence':<58}" + "".join(f"{calls[nm]:>10.1f}" for nm in names))
-        print(f"{'ms per sentence':<58}" + "".join(f"{best[nm]['total'] / n * 1e3:>10.2f}" for nm in names))
-        print(f"{'speed-up over K=1':<58}" + "".join(f"{best['K=1']['total'] / best[nm]['total']:>9.2f}x"
-                                                     for nm in names))
-
-        # the reorder alone, on the K=1 model's state after a search through the decoder's own step (fairseq's
-        # walk does not reorder the lean step's state)
-        g, m = gens["K=1"]
-        if g.uses_lean_step:
-            g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
-                                     max_len_b=a.length, min_len=a.length, lean_step=False)
-        captured = {}
-        reorder = g._reorder
-
-        def capture(state, encoder_outs, rows):
-            captured.update(state=state, encoder_outs=encoder_outs, rows=rows)
-            return reorder(state, encoder_outs, rows)
-
-        g._reorder = capture
-        with torch.inference_mode():
-            g.generate([m], samples[0])
-            g._reorder = reorder
-            if captured:
-                state, enc = captured["state"], captured["encoder_outs"]
-                same = torch.arange(captured["rows"].numel())
-                decoder = m.decoder
-                t_walk = best_us(lambda: FairseqIncrementalDecoder.reorder_incremental_state_scripting(
-                    decoder, state, same), 300)
-                t_ours = best_us(lambda: g._reorder(state, enc, same), 300)
-                print(f"reorder of the K=1 state of the decoder's own step ({same.numel()} rows): fairseq's walk "
-                      f"over every submodule "
-                      f"{t_walk:.1f} us, the generator's _reorder {t_ours:.1f} us ({t_walk / t_ours:.2f}x)")
-
+        print_parts(a, best, calls, len(samples), names, step)
+        reorder_walk(a, gens, task, samples[0])
         if a.profile:
             profile_ops(gens, samples, f"K={a.profile}")
 

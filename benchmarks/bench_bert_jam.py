@@ -23,10 +23,12 @@ step in the same run (same batches, same drop-net draws):
 
 import argparse
 import gzip
+import io
 import os
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -56,7 +58,7 @@ def read(lang, n):
         return [next(f).strip() for _ in range(n)]
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--batch", type=int, default=48)
@@ -65,8 +67,11 @@ def main():
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--cache-only", action="store_true",
                     help="only the --bert-feature-cache comparison (phases 1-2, cached vs live)")
-    a = ap.parse_args()
-    torch.manual_seed(0)
+    return ap.parse_args()
+
+
+def make_batches(a):
+    """Four batches of --batch real En->De sentences with their BERT input: (batches, src_dict, tgt_dict)."""
     n = a.batch * 4
     en, de = read("en", n), read("de", n)
     src_dict, tgt_dict = Dictionary(), Dictionary()
@@ -80,8 +85,8 @@ def main():
     batches = []
     for b in range(4):
         sl = slice(b * a.batch, (b + 1) * a.batch)
-        src = data_utils.collate_tokens([src_dict.encode_line(s, add_if_not_exist=False).long() for s in en[sl]], src_dict.pad(),
-                                        left_pad=True)
+        src = data_utils.collate_tokens([src_dict.encode_line(s, add_if_not_exist=False).long() for s in en[sl]],
+                                        src_dict.pad(), left_pad=True)
         tgt_rows = [tgt_dict.encode_line(s, add_if_not_exist=False).long() for s in de[sl]]
         tgt = data_utils.collate_tokens(tgt_rows, tgt_dict.pad())
         prev = data_utils.collate_tokens(tgt_rows, tgt_dict.pad(), move_eos_to_beginning=True)
@@ -91,34 +96,36 @@ def main():
                                       "prev_output_tokens": prev, "bert_input": bert},
                         "target": tgt, "ntokens": int(tgt.ne(tgt_dict.pad()).sum()), "bert_rows": bert_rows,
                         "ids": list(range(b * a.batch, (b + 1) * a.batch))})
+    return batches, src_dict, tgt_dict
 
+
+def build_models(a, src_dict, tgt_dict):
+    """The transformer and bert_jam in each phase (and phase 2 with drop-net), with the same sizes."""
     dims = ["--encoder-embed-dim", str(a.dim), "--decoder-embed-dim", str(a.dim), "--encoder-ffn-embed-dim",
             str(4 * a.dim), "--decoder-ffn-embed-dim", str(4 * a.dim), "--encoder-layers", str(a.layers),
             "--decoder-layers", str(a.layers), "--encoder-attention-heads", "4", "--decoder-attention-heads", "4",
             "--dropout", "0.1"]
+
     def args_for(arch, task, extra=()):
         return options.parse_args_and_arch(options.get_training_parser(),
                                            ["/nonexistent", "--task", task, "--arch", arch, *dims, *extra])
 
     targs = args_for("transformer", "translation")
-    tasks = {"transformer": TranslationTask(targs, src_dict, tgt_dict)}
-    models = {"transformer": tasks["transformer"].build_model(targs)}
+    models = {"transformer": TranslationTask(targs, src_dict, tgt_dict).build_model(targs)}
     for phase in ((1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
         extra = ["--bert-dropnet", "0.5"] if phase == "2 dropnet" else []
         bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase",
                                                           str(phase)[0], *extra])
         task = TranslationBertTask(bargs, src_dict, tgt_dict)
-        tasks[f"bert_jam phase {phase}"] = task
         models[f"bert_jam phase {phase}"] = BertJamModel.build_model(bargs, task)
-    opts = {k: torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()}
+    return models
 
-    # --bert-feature-cache: the features of the benchmark's sentences, written once as fairseq-train would
-    import tempfile
 
+def build_caches(models, batches, cache_dir):
+    """--bert-feature-cache: the features of the benchmark's sentences, written once as fairseq-train would."""
     from fairseq_ext.bert_jam import feature_cache
 
     caches = {}
-    cache_dir = tempfile.mkdtemp(prefix="bench_bert_cache_")
     for phase in (1, 2):
         enc = models[f"bert_jam phase {phase}"].encoder
         ids = [x for b in batches for x in b["bert_rows"]]
@@ -130,35 +137,44 @@ def main():
         nbytes = feature_cache.cache_bytes(key["tokens"], hidden, n_layers, key["layers"], "float16")
         print(f"# cache phase {phase}: {key['layers']} layer(s), {key['tokens']} BERT tokens of {len(ids)} sentences "
               f"-> {nbytes / 2 ** 20:.1f} MiB float16 ({nbytes / key['tokens'] / 1024:.2f} KiB per BERT token)")
+    return caches
 
-    def step(name, batch):
-        cached = name.endswith(" cached")
-        name = name[: -len(" cached")] if cached else name
-        m = models[name]
-        m.train()
-        ni = dict(batch["net_input"])
-        if name == "transformer":
-            ni.pop("bert_input")
-        t0 = time.perf_counter()
-        if cached:  # what the collater adds from the memory map
-            ni["bert_out"] = caches[int(name[-1])].batch(batch["ids"], ni["bert_input"].size(1))
-        out = m(**ni)
-        lprobs = m.get_normalized_probs(out, log_probs=True)
-        loss = torch.nn.functional.nll_loss(lprobs.view(-1, lprobs.size(-1)), batch["target"].view(-1),
-                                            ignore_index=tgt_dict.pad(), reduction="sum")
-        opts[name].zero_grad()
-        loss.backward()
-        opts[name].step()
-        return time.perf_counter() - t0
 
-    def set_paths(name, on):
-        m = models[name.replace(" cached", "")]
-        if name == "bert_jam phase 1":
-            m.encoder.bert_last_only = on
-        if name == "bert_jam phase 2 dropnet":
-            for layer in m.decoder.layers:
-                layer.skip_dropped_branch = on
+def train_step(models, opts, caches, tgt_dict, name, batch):
+    """One timed training step (forward, backward, Adam) of contender ``name`` ("... cached": on the cache)."""
+    cached = name.endswith(" cached")
+    name = name[: -len(" cached")] if cached else name
+    m = models[name]
+    m.train()
+    ni = dict(batch["net_input"])
+    if name == "transformer":
+        ni.pop("bert_input")
+    t0 = time.perf_counter()
+    if cached:  # what the collater adds from the memory map
+        ni["bert_out"] = caches[int(name[-1])].batch(batch["ids"], ni["bert_input"].size(1))
+    out = m(**ni)
+    lprobs = m.get_normalized_probs(out, log_probs=True)
+    loss = torch.nn.functional.nll_loss(lprobs.view(-1, lprobs.size(-1)), batch["target"].view(-1),
+                                        ignore_index=tgt_dict.pad(), reduction="sum")
+    opts[name].zero_grad()
+    loss.backward()
+    opts[name].step()
+    return time.perf_counter() - t0
 
+
+def set_paths(models, name, on):
+    """Switches the speed path of contender ``name`` on or off."""
+    m = models[name.replace(" cached", "")]
+    if name == "bert_jam phase 1":
+        m.encoder.bert_last_only = on
+    if name == "bert_jam phase 2 dropnet":
+        for layer in m.decoder.layers:
+            layer.skip_dropped_branch = on
+
+
+def time_training(a, models, caches, batches, tgt_dict):
+    """Step times of every contender, interleaved step by step: {(name, speed path on): [seconds]}."""
+    opts = {k: torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-4) for k, m in models.items()}
     # contenders: (model, speed path on/off); the "off" variants are the code before the speed paths
     contenders = [(k, True) for k in models] + [("bert_jam phase 1 cached", True), ("bert_jam phase 2 cached", True)]
     if not a.cache_only:
@@ -166,45 +182,52 @@ def main():
     times = {c: [] for c in contenders}
     for i in range(a.steps + 1):
         for c in contenders:
-            set_paths(c[0], c[1])
+            set_paths(models, c[0], c[1])
             torch.manual_seed(i)  # the same drop-net draws for both variants
-            dt = step(c[0], batches[i % len(batches)])
-            set_paths(c[0], True)
+            dt = train_step(models, opts, caches, tgt_dict, c[0], batches[i % len(batches)])
+            set_paths(models, c[0], True)
             if i > 0:  # the first step warms up
                 times[c].append(dt)
+    return times
+
+
+def report_cache(a, times, tok):
     base = statistics.median(times["transformer", True])
     print(f"# bert_jam training cost, d={a.dim}, {a.layers}+{a.layers} layers, batch {a.batch} sentences "
-          f"(~{batches[0]['ntokens']} target tokens), MiniLM-L6-H384 BERT, torch {torch.__version__}, "
+          f"(~{tok} target tokens), MiniLM-L6-H384 BERT, torch {torch.__version__}, "
           f"{torch.get_num_threads()} thread(s); machine shared and loaded: compare ratios only")
-    tok = batches[0]["ntokens"]
     for phase in (1, 2):
         live = statistics.median(times[f"bert_jam phase {phase}", True])
         cached = statistics.median(times[f"bert_jam phase {phase} cached", True])
-        print(f"--bert-feature-cache, phase {phase}: cached {cached * 1000:.1f} ms vs live {live * 1000:.1f} ms per step "
-              f"({tok / cached:.0f} vs {tok / live:.0f} tgt tok/s; transformer {tok / base:.0f}): x{live / cached:.2f} "
-              f"faster, x{cached / base:.2f} of the transformer's step")
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    if a.cache_only:
-        return
+        print(f"--bert-feature-cache, phase {phase}: cached {cached * 1000:.1f} ms vs live {live * 1000:.1f} ms "
+              f"per step ({tok / cached:.0f} vs {tok / live:.0f} tgt tok/s; transformer {tok / base:.0f}): "
+              f"x{live / cached:.2f} faster, x{cached / base:.2f} of the transformer's step")
+
+
+def report_training(models, times, tok):
+    base = statistics.median(times["transformer", True])
     for name, m in models.items():
         total = sum(p.numel() for p in m.parameters())
         trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
         med = statistics.median(times[name, True])
         print(f"{name:24s} params {total / 1e6:7.2f}M  trainable {trainable / 1e6:7.2f}M  step {med * 1000:8.1f} ms"
-              f"  {batches[0]['ntokens'] / med:8.0f} tgt tok/s  x{med / base:5.2f} of transformer")
+              f"  {tok / med:8.0f} tgt tok/s  x{med / base:5.2f} of transformer")
     for name, what in (("bert_jam phase 1", "phase 1: B_L only vs all L layers stacked + composed"),
                        ("bert_jam phase 2 dropnet", "drop-net 0.5: kept branch only vs both branches")):
         on, off = statistics.median(times[name, True]), statistics.median(times[name, False])
-        print(f"{what}: {on * 1000:.1f} ms vs {off * 1000:.1f} ms per step ({batches[0]['ntokens'] / on:.0f} vs "
-              f"{batches[0]['ntokens'] / off:.0f} tgt tok/s): x{off / on:.3f} faster")
+        print(f"{what}: {on * 1000:.1f} ms vs {off * 1000:.1f} ms per step ({tok / on:.0f} vs "
+              f"{tok / off:.0f} tgt tok/s): x{off / on:.3f} faster")
 
-    # greedy decoding of one batch
+
+def time_generation(a, models, batch, tgt_dict):
+    """Greedy decoding of one batch (transformer against bert_jam), then beam search of bert_jam phase 2 with BERT's
+    keys/values projected per sentence (first step) against per beam."""
     gen_times = {"transformer": [], "bert_jam phase 1": []}
     for rep in range(3):
         for name in gen_times:
             m = models[name].eval()
             gen = SequenceGenerator([m], tgt_dict, beam_size=1, max_len_b=20)
-            ni = dict(batches[0]["net_input"])
+            ni = dict(batch["net_input"])
             ni.pop("prev_output_tokens")
             if name == "transformer":
                 ni.pop("bert_input")
@@ -217,9 +240,8 @@ def main():
     print(f"greedy generation of {a.batch} sentences: transformer {g0 * 1000:.0f} ms, bert_jam {g1 * 1000:.0f} ms "
           f"(x{g1 / g0:.2f})")
 
-    # beam search: BERT's keys/values projected per sentence (first step) vs per beam, phase 2 (all layers)
     m = models["bert_jam phase 2"].eval()
-    ni = dict(batches[0]["net_input"])
+    ni = dict(batch["net_input"])
     ni.pop("prev_output_tokens")
     beam_times = {True: [], False: []}
     for rep in range(3):
@@ -235,10 +257,23 @@ def main():
     print(f"beam {a.beam} generation of {a.batch} sentences (phase 2): BERT K/V per sentence {on * 1000:.0f} ms vs per "
           f"beam {off * 1000:.0f} ms: x{off / on:.3f} faster")
 
-    # checkpoint size: phases 1-2 leave the frozen BERT out
-    import io
 
-    for name in ("bert_jam phase 1", "bert_jam phase 3"):
+def main():
+    a = parse_args()
+    torch.manual_seed(0)
+    batches, src_dict, tgt_dict = make_batches(a)
+    models = build_models(a, src_dict, tgt_dict)
+    cache_dir = tempfile.mkdtemp(prefix="bench_bert_cache_")
+    caches = build_caches(models, batches, cache_dir)
+    times = time_training(a, models, caches, batches, tgt_dict)
+    tok = batches[0]["ntokens"]
+    report_cache(a, times, tok)
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    if a.cache_only:
+        return
+    report_training(models, times, tok)
+    time_generation(a, models, batches[0], tgt_dict)
+    for name in ("bert_jam phase 1", "bert_jam phase 3"):  # checkpoint size: phases 1-2 leave the frozen BERT out
         buf = io.BytesIO()
         torch.save(models[name].state_dict(), buf)
         print(f"{name}: model state {buf.tell() / 2 ** 20:.1f} MiB")

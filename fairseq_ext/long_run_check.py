@@ -155,7 +155,7 @@ def logged(log):
     return out
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", choices=sorted(MODEL), default="transformer")
@@ -186,7 +186,13 @@ def main(argv=None):
     default_pair = ("en", "de") if args.arch == "bert_jam" else ("de", "en")
     args.source_lang = args.source_lang or default_pair[0]
     args.target_lang = args.target_lang or default_pair[1]
-    kill_every = args.kill_every if args.kill_every is not None else max(1.0, args.minutes * 6)
+    if args.kill_every is None:
+        args.kill_every = max(1.0, args.minutes * 6)
+    return args
+
+
+def prepare(args):
+    """The binarised data and the two empty run directories: (data, interrupted, reference)."""
     workdir = os.path.abspath(args.workdir or os.path.join(ROOT, "work", "long_run_check", args.arch))
     os.makedirs(workdir, exist_ok=True)
     if args.data:
@@ -201,15 +207,15 @@ def main(argv=None):
         if glob.glob(os.path.join(d, "*.pt")):
             fail(f"{d} holds checkpoints of an earlier check; remove it or give another --workdir")
         os.makedirs(d, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    loader = threading.Thread(target=_import_loader, daemon=True)  # fairseq's import, meanwhile
-    loader.start()
+    return data, interrupted, reference
+
+
+def killed_segments(args, data, interrupted, env):
+    """Step 2 before its last segment: segments killed with SIGKILL at random times after their first checkpoint,
+    for --minutes or --kills kills. Returns (segment logs, kills, the last update saved)."""
     rng = random.Random(args.seed)
     never = 10 ** 9
     deadline = time.time() + args.minutes * 60
-    print(f"long_run_check: {args.arch} on {data}, interrupted run for {args.minutes:g} min in {interrupted}, "
-          f"a kill every ~{kill_every:g} s after a checkpoint (OMP_NUM_THREADS={args.threads})", flush=True)
     segments, kills, last_saved = [], 0, 0
     while time.time() < deadline and (args.kills is None or kills < args.kills):
         log = os.path.join(interrupted, f"segment{len(segments) + 1}.log")
@@ -217,7 +223,7 @@ def main(argv=None):
         segments.append(log)
         while not saved_updates(log) and proc.poll() is None:  # let it make progress: one new checkpoint
             time.sleep(0.1)
-        delay = rng.uniform(0, 2 * kill_every)
+        delay = rng.uniform(0, 2 * args.kill_every)
         try:
             proc.wait(timeout=delay)
         except subprocess.TimeoutExpired:
@@ -231,7 +237,12 @@ def main(argv=None):
         last_saved = max([last_saved] + saved)
         print(f"segment {len(segments)}: killed {delay:.1f} s after its first checkpoint; checkpoints saved at "
               f"updates {saved}", flush=True)
-    target = last_saved + 2 * args.save_interval_updates
+    return segments, kills, last_saved
+
+
+def finish_both(args, data, interrupted, reference, env, target, segments):
+    """The last segment (resumed, stops cleanly at ``target``) and the reference run beside it; appends the last
+    segment's log to ``segments`` and returns the reference's log and the update each resumed segment loaded."""
     final_log = os.path.join(interrupted, f"segment{len(segments) + 1}.log")
     final, f1 = start(train_command(args, data, interrupted, target), final_log, env)
     ref_log = os.path.join(reference, "train.log")
@@ -246,8 +257,11 @@ def main(argv=None):
     for log in segments[1:]:
         m = re.search(r"Loaded checkpoint \S+ \(epoch \d+ @ (\d+) updates\)", open(log).read())
         resumed.append(int(m.group(1)) if m else 0)
-    print(f"kills: {kills}; resumed from update {resumed}; both runs end at update {target}", flush=True)
+    return ref_log, resumed
 
+
+def compare_logs(segments, ref_log, target):
+    """Every (loss, gnorm) the interrupted segments logged against the reference's: (records compared, mismatches)."""
     ref_logged = {u: v[-1] for u, v in logged(ref_log).items()}
     compared, mismatched = 0, []
     for log in segments:
@@ -258,7 +272,11 @@ def main(argv=None):
                     mismatched.append((u, v, ref_logged.get(u)))
     if sorted(ref_logged) != list(range(1, target + 1)):
         fail(f"the reference logged updates {sorted(ref_logged)[:5]}..., not 1..{target}")
-    loader.join()
+    return compared, mismatched
+
+
+def model_difference(interrupted, reference, target):
+    """(max abs parameter difference of the two final checkpoints, number of tensors)."""
     a = _LOADED["load"](os.path.join(reference, "checkpoint_last.pt"))
     b = _LOADED["load"](os.path.join(interrupted, "checkpoint_last.pt"))
     ua, ub = a["optimizer_history"][-1]["num_updates"], b["optimizer_history"][-1]["num_updates"]
@@ -268,10 +286,30 @@ def main(argv=None):
         fail("the two final models have different parameter names")
     diff = max(((a["model"][k].double() - b["model"][k].double()).abs().max().item() if a["model"][k].numel() else 0.0)
                for k in a["model"])
+    return diff, len(a["model"])
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data, interrupted, reference = prepare(args)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    loader = threading.Thread(target=_import_loader, daemon=True)  # fairseq's import, meanwhile
+    loader.start()
+    print(f"long_run_check: {args.arch} on {data}, interrupted run for {args.minutes:g} min in {interrupted}, "
+          f"a kill every ~{args.kill_every:g} s after a checkpoint (OMP_NUM_THREADS={args.threads})", flush=True)
+    segments, kills, last_saved = killed_segments(args, data, interrupted, env)
+    target = last_saved + 2 * args.save_interval_updates
+    ref_log, resumed = finish_both(args, data, interrupted, reference, env, target, segments)
+    print(f"kills: {kills}; resumed from update {resumed}; both runs end at update {target}", flush=True)
+
+    compared, mismatched = compare_logs(segments, ref_log, target)
+    loader.join()
+    diff, tensors = model_difference(interrupted, reference, target)
     print(f"logged losses compared: {compared} records of the interrupted segments, {len(mismatched)} differ "
           f"from the reference" + (f" (first: update {mismatched[0][0]}: {mismatched[0][1]} vs "
                                     f"{mismatched[0][2]})" if mismatched else ""), flush=True)
-    print(f"max abs parameter difference: {diff:g} over {len(a['model'])} tensors (tolerance {args.tolerance:g})",
+    print(f"max abs parameter difference: {diff:g} over {tensors} tensors (tolerance {args.tolerance:g})",
           flush=True)
     if diff > args.tolerance or (args.tolerance == 0 and mismatched):
         fail("the interrupted run does not end with the uninterrupted run's model")

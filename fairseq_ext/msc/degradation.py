@@ -131,18 +131,7 @@ def main(argv=None):
     p.add_argument("--plot", help="write Figure 2 (training BLEU against depth) to this image")
     p.add_argument("--dry-run", action="store_true", help="print the training commands only")
     args = p.parse_args(argv)
-    try:
-        depths = [int(d) for d in args.depths.split(",")]
-    except ValueError:
-        raise FairseqExtError(f"--depths {args.depths!r}: give a comma list of integers, e.g. 6,18,36")
-    bad = [d for d in depths if d < args.blocks or d % args.blocks]
-    if bad:
-        raise FairseqExtError(f"--depths {bad}: each depth must be a positive multiple of --blocks {args.blocks}")
-    variants = args.variants.split(",")
-    if set(variants) - {"plain", "msc"}:
-        raise FairseqExtError(f"--variants {args.variants!r}: choose from plain,msc")
-    if not args.dry_run and not os.path.isfile(os.path.join(args.data, f"dict.{args.src}.txt")):
-        raise FairseqExtError(f"{args.data}: no dict.{args.src}.txt; pass the fairseq-preprocess output directory")
+    depths, variants = _checked(args)
     results = []
     for depth in depths:
         for variant in variants:
@@ -151,22 +140,7 @@ def main(argv=None):
             if args.dry_run:
                 print(shlex.join(cmd))
                 continue
-            os.makedirs(save, exist_ok=True)
-            proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"))
-            with open(os.path.join(save, "train.log"), "w") as f:
-                f.write(proc.stdout + proc.stderr)
-            if proc.returncode != 0:
-                raise FairseqExtError(f"training {variant}{depth} failed; see {save}/train.log")
-            ck = os.path.join(save, "checkpoint_last.pt")
-            train_bleu, n = sample_bleu(ck, args, "train", args.sample, args.seed)
-            valid_bleu, _ = sample_bleu(ck, args, "valid", args.sample, args.seed)
-            params = None
-            m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", proc.stdout + proc.stderr)
-            if m:
-                params = int(m.group(1).replace(",", ""))
-            row = dict(variant=variant, depth=depth, train_bleu=round(train_bleu, 2), valid_bleu=round(valid_bleu, 2),
-                       train_loss=last_train_loss(proc.stdout + proc.stderr), params=params, sampled=n)
+            row = train_and_measure(args, variant, depth, save, cmd)
             results.append(row)
             print(json.dumps(row), flush=True)
     if args.dry_run:
@@ -180,25 +154,67 @@ def main(argv=None):
         print(f"| {r['variant']} | {r['depth']} | {r['params']} | {r['train_loss']} | {r['train_bleu']} | "
               f"{r['valid_bleu']} |")
     if args.plot:
-        logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq configures verbose logging
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for variant in variants:
-            rs = [r for r in results if r["variant"] == variant]
-            ax.plot([r["depth"] for r in rs], [r["train_bleu"] for r in rs], marker="o", label=f"{variant} train")
-            ax.plot([r["depth"] for r in rs], [r["valid_bleu"] for r in rs], marker="x", linestyle="--",
-                    label=f"{variant} valid")
-        ax.set_xlabel("encoder layers")
-        ax.set_ylabel("BLEU")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+        plot(results, variants, args.plot)
     return 0
+
+
+def _checked(args):
+    """The depths and variants of ``args``, refused with one line when they make no sense."""
+    try:
+        depths = [int(d) for d in args.depths.split(",")]
+    except ValueError:
+        raise FairseqExtError(f"--depths {args.depths!r}: give a comma list of integers, e.g. 6,18,36")
+    bad = [d for d in depths if d < args.blocks or d % args.blocks]
+    if bad:
+        raise FairseqExtError(f"--depths {bad}: each depth must be a positive multiple of --blocks {args.blocks}")
+    variants = args.variants.split(",")
+    if set(variants) - {"plain", "msc"}:
+        raise FairseqExtError(f"--variants {args.variants!r}: choose from plain,msc")
+    if not args.dry_run and not os.path.isfile(os.path.join(args.data, f"dict.{args.src}.txt")):
+        raise FairseqExtError(f"{args.data}: no dict.{args.src}.txt; pass the fairseq-preprocess output directory")
+    return depths, variants
+
+
+def train_and_measure(args, variant, depth, save, cmd):
+    """Trains one net with ``cmd`` (its log in ``save``/train.log) and returns its row: BLEU on the training sample
+    and the valid set, the final training loss, the parameter count."""
+    os.makedirs(save, exist_ok=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    with open(os.path.join(save, "train.log"), "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise FairseqExtError(f"training {variant}{depth} failed; see {save}/train.log")
+    ck = os.path.join(save, "checkpoint_last.pt")
+    train_bleu, n = sample_bleu(ck, args, "train", args.sample, args.seed)
+    valid_bleu, _ = sample_bleu(ck, args, "valid", args.sample, args.seed)
+    params = None
+    m = re.search(r"num\. (?:shared )?model params: ([\d,]+)", proc.stdout + proc.stderr)
+    if m:
+        params = int(m.group(1).replace(",", ""))
+    return dict(variant=variant, depth=depth, train_bleu=round(train_bleu, 2), valid_bleu=round(valid_bleu, 2),
+                train_loss=last_train_loss(proc.stdout + proc.stderr), params=params, sampled=n)
+
+
+def plot(results, variants, path):
+    """Figure 2: training (and valid) BLEU against encoder depth, one line per variant."""
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq configures verbose logging
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for variant in variants:
+        rs = [r for r in results if r["variant"] == variant]
+        ax.plot([r["depth"] for r in rs], [r["train_bleu"] for r in rs], marker="o", label=f"{variant} train")
+        ax.plot([r["depth"] for r in rs], [r["valid_bleu"] for r in rs], marker="x", linestyle="--",
+                label=f"{variant} valid")
+    ax.set_xlabel("encoder layers")
+    ax.set_ylabel("BLEU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
