@@ -297,3 +297,27 @@ def test_log_softmax_top_refuses_logits_c_would_misread():
     for B, keep in ((0, EOS), (41, EOS), (2, 40), (2, -1)):
         with pytest.raises(FairseqExtError, match="log_softmax_top: B="):
             search_kernels.log_softmax_top(x, B, (PAD, EOS), keep)
+
+
+def test_a_compiler_that_hangs_leaves_the_generator_on_pytorchs_ops(monkeypatch, tmp_path):
+    """A CC that never finishes is stopped after COMPILE_TIMEOUT_S (shortened here): the reason in one line, no
+    temporary library left, and the generator decodes through PyTorch's ops with the same hypotheses."""
+    from fairseq_ext.inference import native
+
+    m = sat_model(2, seed=3)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=5, seed=4)
+    opts = dict(beam_size=3, max_len_a=0, max_len_b=6)
+    want = SATSequenceGenerator([m], DICT, **opts, lean_step=False).generate([m], _sample(src, src_lengths))
+    _forget_the_library(monkeypatch)
+    hanging = tmp_path / "hanging-cc"
+    hanging.write_text("#!/bin/sh\nsleep 30\n")
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CC", str(hanging))
+    monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
+    assert search_kernels.refusal() == (f"search kernels unavailable: {hanging} did not build search_kernels.c within "
+                                        "0.5 s (stopped); set CC to a working compiler or FAIRSEQ_EXT_NATIVE=0")
+    gen = SATSequenceGenerator([m], DICT, **opts)
+    assert not gen.reads_top_only and not gen.native_group_step
+    _same_hypos(gen.generate([m], _sample(src, src_lengths)), want, "after a compiler that hangs")
+    assert list((tmp_path / "cache").iterdir()) == []
