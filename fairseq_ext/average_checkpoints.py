@@ -33,8 +33,9 @@ def average_checkpoints(inputs):
     sums, keys, new_state = collections.OrderedDict(), None, None
     for path in inputs:
         state = checkpoint_io.load_checkpoint_file(path)
-        if "model" not in state:
-            raise FairseqExtError(f"average_checkpoints: {path} has no 'model' entry; is it a fairseq checkpoint?")
+        if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+            raise FairseqExtError(f"average_checkpoints: {path} has no 'model' dict of weights; is it a fairseq "
+                                  "checkpoint? leave it out of --inputs")
         params = state["model"]
         if new_state is None:
             new_state, keys = state, list(params.keys())
@@ -45,6 +46,11 @@ def average_checkpoints(inputs):
             )
         for k in keys:
             p = params[k]
+            if not torch.is_tensor(p):
+                raise FairseqExtError(
+                    f"average_checkpoints: {path} holds {type(p).__name__} under model[{str(k)[:80]!r}] where a "
+                    "fairseq checkpoint holds a tensor; the file is damaged or not a fairseq checkpoint: leave it "
+                    "out of --inputs")
             if sums.get(k) is None:
                 sums[k] = p.detach().to(torch.float64).clone() if p.is_floating_point() else p.detach().clone()
             else:
@@ -97,6 +103,13 @@ def main(argv=None):
     p.add_argument("--checkpoint-upper-bound", type=int,
                    help="ignore checkpoints after this epoch (or update, with --num-update-checkpoints)")
     args = p.parse_args(argv)
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):  # checked before the inputs are read (minutes for large checkpoints)
+        raise FairseqExtError(f"average_checkpoints: --output {args.output}: directory {out_dir} does not exist; "
+                              "create it first (mkdir -p) or write elsewhere")
+    if os.path.isdir(args.output):
+        raise FairseqExtError(f"average_checkpoints: --output {args.output} is a directory; give a file name "
+                              "(e.g. checkpoint_avg.pt)")
     inputs = args.inputs
     n = args.num_epoch_checkpoints or args.num_update_checkpoints
     if n is not None:
@@ -108,7 +121,11 @@ def main(argv=None):
                                     args.checkpoint_upper_bound)
     print("averaging checkpoints:", *inputs, sep="\n  ")
     state = average_checkpoints(inputs)
-    checkpoint_io.atomic_torch_save(state, args.output)
+    try:
+        checkpoint_io.atomic_torch_save(state, args.output)
+    except (OSError, RuntimeError) as exc:  # e.g. no permission, disk full (torch reports some as RuntimeError)
+        raise FairseqExtError(f"average_checkpoints: cannot write --output {args.output} ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); nothing was written there")
     print(f"wrote the average of {len(inputs)} checkpoints to {args.output}")
     return 0
 

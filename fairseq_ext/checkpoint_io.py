@@ -11,6 +11,10 @@ guarantees, and what it does not:
   ``weights_only=True`` and the allow-list :data:`SAFE_GLOBALS` (exactly the classes fairseq checkpoints hold),
   added for the duration of the load only (``torch.load`` elsewhere in the process is not widened). A checkpoint
   that pickles anything else (a function, a class with a ``__reduce__``, ``os.system``) is refused.
+* **The bytes.** Before unpickling, the CRC-32 of every record of the checkpoint's zip file is checked
+  (:func:`fairseq_ext.checkpoint_checks.verify_zip`): a bit changed on disk or in a copy is refused instead of
+  loading as other weights. A file changed and re-zipped (valid CRCs) is not detected; torch's legacy format has
+  no CRCs.
 * **The config.** Unpickling safely is not enough: fairseq ``eval()``s some config strings when it builds the
   model, the task or the optimizer (fconv's ``encoder_layers``, every transformer layer's
   ``xformers_att_config``, ``character_filters``, ``adam_betas``, ...; :data:`EVAL_FIELDS`). Our loaders check
@@ -18,21 +22,32 @@ guarantees, and what it does not:
   is not a plain literal (numbers, strings, True/False/None, lists, tuples, dicts, and ``+``/``*`` between
   them as in ``"[(512, 3)] * 20 + [(1024, 3)] * 2"``, at most :data:`MAX_LITERAL_ITEMS` items). They also
   refuse omegaconf ``${...}`` interpolations other than a plain reference to another key (``${oc.env:...}`` and
-  other resolvers could read the environment or run a registered function).
-* **Not covered.** The tensors of a checkpoint are still untrusted data (a model built from them translates
-  whatever its weights say); fields that other plugins ``eval()`` are not checked unless they are in
-  :data:`EVAL_FIELDS`; paths named in a config (e.g. ``bert_model_name``) are opened as given.
+  other resolvers could read the environment or run a registered function), and registry names
+  (:data:`REGISTRY_FIELDS`: task, arch, criterion, optimizer, bpe, tokenizer, scoring, ...) that are not
+  ``^[\w.-]+$``: fairseq writes those of legacy ``args`` unquoted into Hydra overrides. A failure of Hydra while
+  fairseq converts legacy ``args`` is reported as such, without Hydra's message (it may hold resolved values).
+* **The contents.** Weights that are not finite are refused at load; ``extra_state["metrics"]`` must hold
+  fairseq's own meters with number states (fairseq builds them by class name on ``--restore-file``). A model
+  whose outputs are not finite at decoding time is named in one line by
+  :func:`fairseq_ext.fairseq_fixes.fix_non_finite_scores_crash`; weights that do not fit the model (missing or
+  unexpected names, other shapes) are one line naming the file.
+* **Archives.** The hub's ``.tar.gz`` model archives are unpacked by :mod:`fairseq_ext.archives` (tarfile's
+  ``data`` filter, absolute names refused, a private temporary directory, the archive left as it is).
+* **Not covered.** The tensors of a checkpoint are still untrusted data (a model built from finite weights
+  translates whatever they say); fields that other plugins ``eval()`` are not checked unless they are in
+  :data:`EVAL_FIELDS`; paths named in a config (e.g. ``bert_model_name``) are opened as given (BERT directories
+  are read as data only: :mod:`fairseq_ext.bert_jam.bert`).
 
 Errors are :class:`FairseqExtError` subclasses with one line naming the file (and the field): from the command
 line only that line is printed. :func:`install` also wraps ``load_model_ensemble_and_task`` and
-``Trainer.load_checkpoint`` to name the dictionary file when a checkpoint does not fit the data's dictionaries,
-and makes fairseq's copies of a checkpoint (``checkpoint_last.pt``, ``checkpoint_best.pt``) atomic and durable
-(a temporary file in the same directory, fsynced, renamed; temporary files a killed process left behind are
-removed at the next copy).
+``Trainer.load_checkpoint`` to name the dictionary file when a checkpoint does not fit the data's dictionaries
+(also two different dictionaries for a model that shares one embedding), remembers which file each model came
+from (:func:`checkpoint_of`), and makes fairseq's copies of a checkpoint (``checkpoint_last.pt``,
+``checkpoint_best.pt``) atomic and durable (a temporary file in the same directory, fsynced, renamed; temporary
+files a killed process left behind are removed at the next copy).
 """
 
 import argparse
-import ast
 import collections
 import functools
 import os
@@ -42,22 +57,28 @@ import shutil
 import threading
 import types
 import typing
+import weakref
 import zipfile
 
 import torch
 
+from fairseq_ext.checkpoint_checks import (CorruptCheckpointError, UnsafeCheckpointError, metrics_problem,
+                                           non_finite_weight, verify_zip)
+from fairseq_ext.checkpoint_config import (  # noqa: F401  (the config check's names, as before)
+    EVAL_FIELDS, MAX_LITERAL_CHARS, MAX_LITERAL_ITEMS, REGISTRY_FIELDS, check_config, config_problem, is_eval_field,
+    literal_value)
 from fairseq_ext.errors import FairseqExtError
 
 
-class UnsafeCheckpointError(FairseqExtError):
-    pass
-
-
-class CorruptCheckpointError(FairseqExtError):
-    pass
-
-
 class DictionaryMismatchError(FairseqExtError):
+    pass
+
+
+class ConfigConversionError(FairseqExtError):
+    pass
+
+
+class CheckpointMismatchError(FairseqExtError):
     pass
 
 
@@ -153,183 +174,23 @@ class _allow_listed:
 
 
 # --------------------------------------------------------------------------------------------------------
-# the config strings fairseq eval()s
-# --------------------------------------------------------------------------------------------------------
-
-# Fields whose string value fairseq 0.12 passes to eval() (``eval(args.x)``, ``utils.eval_str_list``,
-# ``utils.eval_str_dict``, ``utils.eval_bool``) when it builds a model, task, optimizer or criterion from a
-# checkpoint's config (grep fairseq for "eval(" to extend this list), and the layer specs of fconv_glu.
-EVAL_FIELDS = frozenset({
-    # fconv, fconv_lm, fconv_self_att (and fconv_glu, which parses them without eval)
-    "encoder_layers", "decoder_layers", "encoder_attention", "decoder_attention", "self_attention",
-    "project_input", "gated_attention", "downsample", "pretrained",
-    # transformer_lm, lightconv_lm, lstm, lstm_lm, transformer and lightconv decoders
-    "character_filters", "adaptive_input_cutoff", "adaptive_softmax_cutoff",
-    # every MultiheadAttention of the transformer family (also as encoder_/decoder_xformers_att_config)
-    "xformers_att_config",
-    # optimizers
-    "adam_betas", "adamax_betas", "adafactor_eps", "lamb_betas",
-    # criterion ctc; wav2vec, hubert, speech-to-text feature extractors; raw audio datasets
-    "wer_args", "conv_feature_layers", "conv_aggregator_layers", "feature_encoder_spec",
-    # multilingual tasks
-    "left_pad_source", "left_pad_target",
-    # pipeline model parallelism
-    "pipeline_balance", "pipeline_devices", "pipeline_encoder_devices", "pipeline_decoder_devices",
-    # fairseq-validate evals the model overrides
-    "model_overrides",
-})
-_EVAL_FIELD_SUFFIXES = ("_xformers_att_config",)
-
-MAX_LITERAL_ITEMS = 1000  # items in a list, tuple, dict or string that + or * may build
-MAX_LITERAL_CHARS = 100_000  # characters of an eval'd config string
-_NUMBERS = (int, float, complex)
-_PLAIN_REFERENCE = re.compile(r"\$\{\.*[A-Za-z_][\w.]*\}")  # ${model.encoder_embed_dim}, ${..foo}
-
-
-def is_eval_field(name):
-    return isinstance(name, str) and (name in EVAL_FIELDS or name.endswith(_EVAL_FIELD_SUFFIXES))
-
-
-def literal_value(text):
-    """The value of ``text`` if it is a plain literal expression (what :data:`EVAL_FIELDS` may hold), else
-    ValueError saying why. Evaluating such a string with ``eval`` has no side effects and a bounded size."""
-    if not isinstance(text, str):  # eval() of bytes honours a coding cookie: what it runs is not what we parse
-        raise ValueError(f"{type(text).__name__}, not text")
-    text = text.lstrip(" \t")  # what eval() skips (a str's coding cookie it ignores, as ast.parse does)
-    if len(text) > MAX_LITERAL_CHARS:
-        raise ValueError(f"longer than {MAX_LITERAL_CHARS} characters")
-    try:
-        tree = ast.parse(text, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-        raise ValueError(f"not a Python literal ({type(exc).__name__})") from None
-
-    def sized(value):
-        if isinstance(value, (list, tuple, dict, set, str, bytes)) and len(value) > MAX_LITERAL_ITEMS:
-            raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
-        return value
-
-    def ev(node):
-        if isinstance(node, ast.Constant) and (node.value is None or isinstance(node.value, _NUMBERS + (str, bytes))):
-            return sized(node.value)
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            items = [ev(e) for e in node.elts]  # a Starred element is refused below
-            return sized(tuple(items) if isinstance(node, ast.Tuple) else items if isinstance(node, ast.List)
-                         else set(map(_hashable, items)))
-        if isinstance(node, ast.Dict) and None not in node.keys:
-            return sized({_hashable(ev(k)): ev(v) for k, v in zip(node.keys, node.values)})
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            v = ev(node.operand)
-            if isinstance(v, _NUMBERS):
-                return -v if isinstance(node.op, ast.USub) else +v
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
-            a, b = ev(node.left), ev(node.right)
-            if isinstance(a, _NUMBERS) and isinstance(b, _NUMBERS):
-                if isinstance(node.op, ast.Mult) and isinstance(a, int) and isinstance(b, int) and \
-                        a.bit_length() + b.bit_length() > 4096:
-                    raise ValueError("multiplies numbers of more than 4096 bits")
-                return a + b if isinstance(node.op, ast.Add) else a - b if isinstance(node.op, ast.Sub) else a * b
-            seqs = (list, tuple, str, bytes)
-            if isinstance(node.op, ast.Add) and isinstance(a, seqs) and type(a) is type(b):
-                if len(a) + len(b) > MAX_LITERAL_ITEMS:
-                    raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
-                return a + b
-            if isinstance(node.op, ast.Mult) and isinstance(b, seqs) and isinstance(a, int):
-                a, b = b, a
-            if isinstance(node.op, ast.Mult) and isinstance(a, seqs) and isinstance(b, int):
-                if len(a) * max(b, 0) > MAX_LITERAL_ITEMS:
-                    raise ValueError(f"builds more than {MAX_LITERAL_ITEMS} items")
-                return a * b
-            raise ValueError(f"{type(node.op).__name__} of {type(a).__name__} and {type(b).__name__}")
-        what = type(node.op if isinstance(node, (ast.BinOp, ast.UnaryOp, ast.BoolOp)) else node).__name__
-        raise ValueError(f"{what} is not allowed (only literals, lists, tuples, dicts, + and *)")
-
-    try:
-        return ev(tree.body)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-    except TypeError as exc:  # e.g. an unhashable dict key
-        raise ValueError(str(exc)) from None
-
-
-def _hashable(value):
-    if isinstance(value, list):
-        raise ValueError("a list cannot be a dict key or set item")
-    return value
-
-
-def _config_items(obj):
-    """(key, value) of a config container without resolving interpolations, or None for a leaf."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
-
-    if isinstance(obj, (DictConfig, ListConfig)):
-        obj = OmegaConf.to_container(obj, resolve=False)
-    if isinstance(obj, argparse.Namespace):
-        return list(vars(obj).items())
-    if isinstance(obj, dict):
-        return list(obj.items())
-    if isinstance(obj, (list, tuple)):
-        return list(enumerate(obj))
-    return None
-
-
-def config_problem(state):
-    """``(field, reason)`` for the first value of ``state["args"]`` / ``state["cfg"]`` that fairseq could run
-    code from (see the module docstring), or None."""
-
-    def walk(obj, where, name, depth):
-        if depth > 64:
-            return where, "is nested more than 64 levels deep"
-        if isinstance(obj, (str, bytes)):
-            if isinstance(obj, str) and "${" in obj:
-                rest = _PLAIN_REFERENCE.sub("", obj)
-                if "${" in rest:  # a resolver (${oc.env:HOME}), a nested or an unterminated interpolation
-                    return where, f"is an omegaconf interpolation ({obj[:80]!r}), which could read the environment"
-            if is_eval_field(name):
-                try:
-                    literal_value(obj)
-                except ValueError as exc:
-                    return where, f"= {obj[:80]!r} is not a plain literal ({exc}), and fairseq eval()s it"
-            return None
-        if (id(obj), name) in seen:  # a pickle may share one container many times (2^depth paths otherwise)
-            return None
-        seen.add((id(obj), name))
-        try:
-            items = _config_items(obj)
-        except Exception as exc:  # noqa: BLE001 - a malformed omegaconf container
-            return where, f"is not a readable config ({type(exc).__name__})"
-        for key, value in items or ():
-            sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"
-            found = walk(value, sub, key if not isinstance(key, int) else name, depth + 1)
-            if found:
-                return found
-        return None
-
-    if not isinstance(state, dict):
-        return None
-    seen = set()
-    for section in ("args", "cfg"):
-        try:
-            found = walk(state.get(section), section, section, 0)
-        except RecursionError:
-            found = section, "is nested too deeply"
-        if found:
-            return found
-    return None
-
-
-def check_config(state, path):
-    """Raise :class:`UnsafeCheckpointError` if :func:`config_problem` finds something in ``state``."""
-    found = config_problem(state)
-    if found:
-        where, reason = found
-        raise UnsafeCheckpointError(
-            f"refusing to load checkpoint {path}: config field {where} {reason}; only load checkpoints from a "
-            "source you trust (a genuine fairseq checkpoint holds plain literals there)")
-
-
-# --------------------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------------------
+
+def check_contents(state, path):
+    """Raise one line naming ``path`` if the weights of ``state`` are not finite or its meters are not fairseq's
+    (:mod:`fairseq_ext.checkpoint_checks`)."""
+    name = non_finite_weight(state)
+    if name is not None:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} holds weights that are not finite (NaN or inf in {name}): its training diverged or "
+            "the file was changed; use another checkpoint (e.g. checkpoint_best.pt or an earlier epoch)")
+    why = metrics_problem(state)
+    if why is not None:
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: extra_state.metrics{why}; fairseq writes only its own meters "
+            "there (resume with --reset-meters, or use another checkpoint)")
+
 
 def _refused_global(exc):
     """The name of the object torch's weights-only unpickler refused (e.g. ``posix.system``), or None."""
@@ -364,10 +225,29 @@ def _refusal(path, exc):
     return reason if reason.startswith(_REFUSALS) else None
 
 
+def _hydra_failure(path, exc):
+    """fairseq turns the ``args`` of a legacy checkpoint into a config with Hydra: its errors are reported as
+    such, by type only (their messages may hold values Hydra resolved, such as an environment variable)."""
+    try:
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+    except ImportError:
+        return None
+    if not isinstance(exc, (HydraException, OmegaConfBaseException)):
+        return None
+    return ConfigConversionError(
+        f"checkpoint {path}: fairseq could not turn its legacy args into a config (Hydra/OmegaConf "
+        f"{type(exc).__name__}); a value in its args is not one fairseq writes, so it is not loaded (only load "
+        "checkpoints from a source you trust)")
+
+
 def _check_readable(path, exc):
     """Map errors of torch.load to FairseqExtError subclasses; None for anything else (re-raised as is)."""
     if isinstance(exc, FairseqExtError):
         return None
+    hydra = _hydra_failure(path, exc)
+    if hydra is not None:
+        return hydra
     if isinstance(exc, pickle.UnpicklingError) and _refused_global(exc):
         return UnsafeCheckpointError(
             f"refusing to load checkpoint {path}: it pickles {_refused_global(exc)}, which fairseq checkpoints "
@@ -384,7 +264,8 @@ def _check_readable(path, exc):
     damaged_zip = (isinstance(exc, OSError) and os.path.isfile(str(path))
                    and not isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)))
     if damaged_zip or isinstance(exc, (EOFError, zipfile.BadZipFile, pickle.UnpicklingError)) or (
-        isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive", "unexpected EOF", "storage has wrong"))
+        isinstance(exc, RuntimeError) and any(s in str(exc) for s in ("PytorchStreamReader", "zip archive",
+                                                                      "unexpected EOF", "storage has wrong"))
     ):
         return CorruptCheckpointError(
             f"checkpoint {path} is truncated or corrupted, or not a checkpoint ({_short_reason(exc)}); "
@@ -397,10 +278,13 @@ _local = threading.local()
 
 
 def _safe_load(f, path, map_location=None):
-    """``torch.load(f)`` with ``weights_only=True`` and :data:`SAFE_GLOBALS`, then :func:`check_config`."""
+    """The zip's CRCs checked, then ``torch.load(f)`` with ``weights_only=True`` and :data:`SAFE_GLOBALS`, then
+    :func:`check_config` and :func:`check_contents`."""
+    verify_zip(f, path)
     with _allow_listed():
         state = torch.load(f, map_location=map_location, weights_only=True)
     check_config(state, path)
+    check_contents(state, path)
     _local.loads = getattr(_local, "loads", 0) + 1
     return state
 
@@ -607,17 +491,84 @@ def _dictionary_mismatch(filenames, task, exc):
         f"(check --model-overrides and the data directory)")
 
 
+def _keys_mismatch(filenames, exc):
+    """torch's "Missing key(s)" / "Unexpected key(s)" of ``load_state_dict`` as one line naming the checkpoint."""
+    parts = []
+    for kind in ("Missing", "Unexpected"):
+        m = re.search(kind + r' key\(s\) in state_dict: ([^\n]*)', str(exc))
+        names = re.findall(r'"([^"]*)"', m.group(1)) if m else []
+        if names:
+            parts.append(f"{len(names)} {kind.lower()} (e.g. {names[0][:80]})")
+    if not parts:
+        return None
+    ckpt = ":".join(str(f) for f in filenames)
+    return CheckpointMismatchError(
+        f"checkpoint {ckpt} does not fit the model its config builds: weights {' and '.join(parts)}; the file is "
+        "damaged or was written for another version of the model; use another checkpoint")
+
+
+def _joined_dictionary_mismatch(filenames, task, exc, overrides=None):
+    """fairseq's ValueError "--share-all-embeddings requires a joined dictionary" while building the model of a
+    checkpoint (one embedding for both languages) from a data directory with two different dictionaries (the
+    task's settings, or the hub's overrides when the task is made inside)."""
+    if not isinstance(exc, ValueError) or "requires a joined dictionary" not in str(exc):
+        return None
+    ckpt = ":".join(str(f) for f in filenames)
+    cfg = getattr(task, "cfg", None)
+    overrides = overrides if isinstance(overrides, dict) else {}
+
+    def setting(name):
+        return getattr(cfg, name, None) or overrides.get(name)
+
+    data = str(setting("data") or "").split(os.pathsep)[0]
+    src, tgt = setting("source_lang"), setting("target_lang")
+    files = (f"{os.path.join(data, f'dict.{src}.txt')} and {os.path.join(data, f'dict.{tgt}.txt')}" if src and tgt
+             else "the data's source and target dictionaries")
+    return DictionaryMismatchError(
+        f"checkpoint {ckpt} shares one embedding between source and target (--share-all-embeddings), so it needs "
+        f"one dictionary for both, but {files} differ: copy the dictionary it was trained with to both (a "
+        f"release's dict.txt)")
+
+
 def _ensemble_mismatch(exc, filenames, arg_overrides=None, task=None, *args, **kwargs):
     """load_model_ensemble_and_task (fairseq-generate, -interactive, -validate, hub) with a data directory whose
-    dictionaries do not fit the checkpoint: torch's size mismatch -> one line."""
-    return _dictionary_mismatch(filenames, task, exc) if isinstance(exc, RuntimeError) else None
+    dictionaries do not fit the checkpoint, or a checkpoint whose weights do not fit its model -> one line."""
+    if isinstance(exc, RuntimeError):
+        return _dictionary_mismatch(filenames, task, exc) or _keys_mismatch(filenames, exc)
+    return _joined_dictionary_mismatch(filenames, task, exc, arg_overrides)
 
 
 def _restore_mismatch(exc, trainer, filename, *args, **kwargs):
     """``fairseq-train --restore-file`` with such data: fairseq's Trainer replaces torch's size mismatch by
     "Cannot load model parameters ... ensure that the architectures match"; its cause says which tensor."""
     cause = exc.__context__
-    return _dictionary_mismatch([filename], trainer.task, cause) if isinstance(cause, RuntimeError) else None
+    if not isinstance(cause, RuntimeError):
+        return None
+    return _dictionary_mismatch([filename], trainer.task, cause) or _keys_mismatch([filename], cause)
+
+
+_checkpoint_of = weakref.WeakKeyDictionary()  # model -> the checkpoint file fairseq's loaders built it from
+
+
+def checkpoint_of(model):
+    """The checkpoint file that ``load_model_ensemble_and_task`` built ``model`` from, or None."""
+    try:
+        return _checkpoint_of.get(model)
+    except TypeError:
+        return None
+
+
+def _remember_checkpoints(original):
+    @functools.wraps(original)
+    def load_model_ensemble_and_task(filenames, *args, **kwargs):
+        out = original(filenames, *args, **kwargs)
+        for model, name in zip(out[0], filenames):
+            if model is not None:
+                _checkpoint_of[model] = str(name)
+        return out
+
+    load_model_ensemble_and_task._fairseq_ext_remembers = True
+    return load_model_ensemble_and_task
 
 
 
@@ -658,7 +609,13 @@ def install():
         distributed_utils.torch = _DistributedUtilsTorch()
     if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "_fairseq_ext_wrapped", False):
         checkpoint_utils.load_checkpoint_to_cpu = _load_checkpoint_to_cpu(checkpoint_utils.load_checkpoint_to_cpu)
+    if not getattr(checkpoint_utils.load_model_ensemble_and_task, "_fairseq_ext_remembers", False):
+        checkpoint_utils.load_model_ensemble_and_task = _remember_checkpoints(
+            checkpoint_utils.load_model_ensemble_and_task)
     _map_errors(checkpoint_utils, "load_model_ensemble_and_task", _ensemble_mismatch)
     _map_errors(Trainer, "load_checkpoint", _restore_mismatch)
     _make_checkpoint_copies_atomic()
+    from fairseq_ext import archives
+
+    archives.install()  # the hub's model archives, unpacked without leaving their directory
     _installed = True

@@ -7,8 +7,12 @@ Python 3.11 fixes); on another fairseq a warning names the fixes left out, and f
 
 import functools
 import logging
+import math
+import sys
 
 import numpy as np
+
+from fairseq_ext.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +133,6 @@ def fix_load_error_hides_cause():
     directory whose weights do not match the checkpoint), that error is shown instead."""
     from fairseq.trainer import Trainer
 
-    from fairseq_ext.errors import FairseqExtError
-
     original = Trainer.load_checkpoint
     if getattr(original, "_fairseq_ext_shows_cause", False):
         return
@@ -183,6 +185,236 @@ def fix_reset_optimizer_restarts_schedule():
     Trainer.load_checkpoint = load_checkpoint
 
 
+def _interactive_modules():
+    """The loaded ``fairseq_cli.interactive`` modules: as imported (the ``fairseq-interactive`` entry point) and as
+    ``__main__`` (``python -m fairseq_cli.interactive``). Never imported here: importing it configures logging."""
+    found = []
+    for name in ("fairseq_cli.interactive", "__main__"):
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is not None and getattr(spec, "name", name) == "fairseq_cli.interactive" and \
+                callable(getattr(module, "buffered_read", None)) and callable(getattr(module, "make_batches", None)):
+            found.append(module)
+    return found
+
+
+def fix_interactive_input_lines():
+    """``fairseq-interactive`` reads its input through ``fileinput`` with universal newlines: a lone ``\\r`` inside
+    a line splits it in two, so the output ids no longer match the input lines; and one line longer than the model
+    takes (``--max-source-positions``) ends the run with a traceback, losing the rest of the input. Input is read
+    with ``newline="\\n"`` (``\\r\\n`` still ends a line; each line is stripped as before), and a line over the
+    limit gets one ``error:`` line on stderr naming its line number and the flag, no output, and the run goes on:
+    every other line keeps its id (its line number - 1). Applied to the ``fairseq_cli.interactive`` module that is
+    running when fairseq_ext is imported (``--user-dir``)."""
+    for module in _interactive_modules():
+        if getattr(module.buffered_read, "_fairseq_ext_wrapped", False):
+            continue
+        original_make_batches = module.make_batches
+        first_line = {}  # id(buffer) -> the line number of its first line
+
+        def buffered_read(input, buffer_size):
+            stream = sys.stdin.buffer if input == "-" else open(input, "rb")
+            buffer, start = [], 1
+            try:
+                for n, raw in enumerate(stream, 1):  # a binary stream splits lines at b"\n" only
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise FairseqExtError(f"--input {input}: line {n} is not UTF-8 text ({e.reason} at byte "
+                                              f"{e.start}); convert the input to UTF-8") from None
+                    buffer.append(line.strip())
+                    if len(buffer) >= buffer_size:
+                        first_line[id(buffer)] = start
+                        yield buffer
+                        buffer, start = [], n + 1
+                if buffer:
+                    first_line[id(buffer)] = start
+                    yield buffer
+            finally:
+                if stream is not sys.stdin.buffer:
+                    stream.close()
+
+        def make_batches(lines, cfg, task, max_positions, encode_fn, _original=original_make_batches):
+            start = first_line.pop(id(lines), None)
+            seen = set()
+            skip = cfg.dataset.skip_invalid_size_inputs_valid_test
+            cfg.dataset.skip_invalid_size_inputs_valid_test = True  # fairseq drops them, keeping the others' ids
+            try:
+                for batch in _original(lines, cfg, task, max_positions, encode_fn):
+                    seen.update(int(i) for i in batch.ids.tolist())
+                    yield batch
+            finally:
+                cfg.dataset.skip_invalid_size_inputs_valid_test = skip
+            limit = max_positions[0] if isinstance(max_positions, (tuple, list)) else max_positions
+            for i in sorted(set(range(len(lines))) - seen):
+                n = (start or 1) + i
+                length = int(task.get_interactive_tokens_and_lengths([lines[i]], encode_fn)[1][0])
+                print(f"error: input line {n}: {length - 1} tokens and EOS are more than the model takes "
+                      f"(--max-source-positions {limit}); it is not translated (no output for id {n - 1}), the run "
+                      f"goes on; split it into shorter lines", file=sys.stderr, flush=True)
+
+        buffered_read._fairseq_ext_wrapped = make_batches._fairseq_ext_wrapped = True
+        module.buffered_read, module.make_batches = buffered_read, make_batches
+
+
+def _tensors(output, depth=0):
+    import torch
+
+    if torch.is_tensor(output):
+        yield output
+    elif depth < 3 and isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors(o, depth + 1)
+    elif depth < 3 and isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o, depth + 1)
+
+
+def _first_non_finite_output(models, rerun):
+    """(model, module name) of the first module whose output holds a NaN or an infinity while ``rerun()`` runs, or
+    None (``rerun`` failing otherwise, or not at all)."""
+
+    class Found(Exception):
+        pass
+
+    def hook_for(model, name):
+        def hook(module, inputs, output):
+            for t in _tensors(output):
+                if t.is_floating_point() and t.numel() and not bool(t.isfinite().all()):
+                    raise Found(model, name)
+        return hook
+
+    handles = []
+    try:
+        for model in models:
+            for name, module in model.named_modules():
+                handles.append(module.register_forward_hook(hook_for(model, name or type(model).__name__)))
+        rerun()
+    except Found as found:
+        return found.args
+    except Exception:  # noqa: BLE001 - the failure was something else: the caller re-raises its own
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    return None
+
+
+def _without_hypotheses_or_finite_scores(hypos):
+    """Whether a sentence of fairseq's generator output has no hypothesis or one whose score is not finite."""
+    try:
+        return any(len(hs) == 0 or any(not math.isfinite(float(h["score"])) for h in hs) for hs in hypos)
+    except (TypeError, KeyError, ValueError, RuntimeError):  # not a generator's hypotheses (e.g. a scorer's)
+        return False
+
+
+def fix_non_finite_scores_crash():
+    """A model whose outputs are not finite (weights changed on disk or by a diverged training; finite weights of
+    1e30 are enough) ends fairseq's beam search in ``AssertionError: 200 < 200``, and the SAT generator's in an
+    ``IndexError`` or with no hypothesis at all. When ``task.inference_step`` (fairseq-generate, -interactive, the
+    hub) fails with one of the errors such a model causes, or returns a sentence without hypotheses or with a score
+    that is not finite, the batch is decoded again with a forward hook on every module; if a module's output holds
+    a NaN or an infinity, one line names the checkpoint and the module. Anything else is raised or returned as it
+    was (a batch that decodes normally costs one look at its scores)."""
+    from fairseq.tasks import FairseqTask
+
+    from fairseq_ext.checkpoint_io import checkpoint_of
+
+    original = FairseqTask.inference_step
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    def diagnose(self, generator, models, sample, args, kwargs):
+        return _first_non_finite_output(models, lambda: original(self, generator, models, sample, *args, **kwargs))
+
+    @functools.wraps(original)
+    def inference_step(self, generator, models, sample, *args, **kwargs):
+        try:
+            hypos = original(self, generator, models, sample, *args, **kwargs)
+        except (AssertionError, IndexError, RuntimeError):
+            found = diagnose(self, generator, models, sample, args, kwargs)
+            if found is None:
+                raise
+        else:
+            if not _without_hypotheses_or_finite_scores(hypos):
+                return hypos
+            found = diagnose(self, generator, models, sample, args, kwargs)
+            if found is None:
+                return hypos
+        model, where = found
+        path = checkpoint_of(model)
+        raise FairseqExtError(
+            f"{f'checkpoint {path}' if path else 'the model'} gives values that are not finite (NaN or inf in the "
+            f"output of {where}) while translating: its weights are damaged or its training diverged; use another "
+            "checkpoint (e.g. checkpoint_best.pt or an earlier epoch)")
+
+    inference_step._fairseq_ext_wrapped = True
+    FairseqTask.inference_step = inference_step
+
+
+class DictionaryFormatError(FairseqExtError, ValueError):
+    """A dictionary file fairseq cannot read: one line, and the ValueError fairseq raised."""
+
+
+def _dictionary_problem(path):
+    """(line number, what is wrong) of the first line of dictionary ``path`` that fairseq's format refuses."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read().split(b"\n")
+    except OSError as e:
+        return 0, str(e)
+    words = set()
+    for n, line in enumerate(raw, 1):
+        try:
+            text = line.decode("utf-8").rstrip()
+        except UnicodeDecodeError:
+            return n, "not UTF-8 text"
+        if not text and n == len(raw):
+            break
+        if n == 1 and text.startswith("# "):  # fairseq's meta line
+            continue
+        parts = text.rsplit(" ", 1)
+        overwrite = len(parts) == 2 and parts[1] == "#fairseq:overwrite"
+        if overwrite:
+            parts = parts[0].rsplit(" ", 1)
+        if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+            return n, f"{text[:60]!r} is not '<token> <count>'"
+        if parts[0] in words and not overwrite:
+            return n, f"{parts[0][:60]!r} is there twice"
+        words.add(parts[0])
+    return None, None
+
+
+def fix_malformed_dictionary_traceback():
+    """A dictionary file fairseq cannot read (a line without a count, a word twice, not UTF-8) stops
+    fairseq-generate/-interactive/-train with a traceback whose message may span lines; it becomes one
+    ``error:`` line naming the file and the line (a :class:`FairseqExtError` that is also the ValueError fairseq
+    raised)."""
+    from fairseq.data import Dictionary
+
+    original = Dictionary.add_from_file
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def add_from_file(self, f):
+        if not isinstance(f, str):
+            return original(self, f)
+        try:
+            return original(self, f)
+        except FileNotFoundError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - ValueError, RuntimeError or Exception("Incorrect encoding ...")
+            n, what = _dictionary_problem(f)
+            where = f" at line {n}" if n else ""
+            raise DictionaryFormatError(
+                f"dictionary {f} is malformed{where} ({what or type(exc).__name__}): each line must be '<token> "
+                "<count>' as fairseq-preprocess writes it; use the dictionary the model was trained with") from None
+
+    add_from_file._fairseq_ext_wrapped = True
+    Dictionary.add_from_file = add_from_file
+
+
 def install():
     """Idempotent; called by ``import fairseq_ext``. Returns the names of the fixes applied."""
     import fairseq
@@ -194,6 +426,9 @@ def install():
         "fix_resume_rebuilds_batches_with_epoch_seed": fix_resume_rebuilds_batches_with_epoch_seed,
         "fix_load_error_hides_cause": fix_load_error_hides_cause,
         "fix_reset_optimizer_restarts_schedule": fix_reset_optimizer_restarts_schedule,
+        "fix_interactive_input_lines": fix_interactive_input_lines,
+        "fix_non_finite_scores_crash": fix_non_finite_scores_crash,
+        "fix_malformed_dictionary_traceback": fix_malformed_dictionary_traceback,
     }
     version = getattr(fairseq, "__version__", "")
     if not any(version == v or version.startswith(v + ".") for v in CHECKED_VERSIONS):  # 0.12.3, 0.12.3.1; not 0.12.30

@@ -3,6 +3,7 @@
     python -m fairseq_ext.release pack --checkpoint CKPT --name ARCH --release-dir releases/bible-de-en \\
         --dict BIN/dict.de.txt --spm-model DATA/spm.model [--meta FILE.json]
     python -m fairseq_ext.release verify --release-dir releases/bible-de-en --name ARCH
+    python -m fairseq_ext.release scrub-paths --release-dir releases/bible-de-en
 
 A release directory holds the sentencepiece model (``spm.model``) and the joined fairseq dictionary
 (``dict.txt``) its models were trained with, one ``ARCH.pt`` per architecture and ``MANIFEST.json``: the sha256
@@ -10,13 +11,21 @@ and size of every file, and per model what ``--meta`` gave (how it was trained: 
 time, valid BLEU; tools/train_release.py writes it).
 
 ``pack`` reads the checkpoint through the safe loader (:func:`fairseq_ext.checkpoint_io.load_checkpoint_file`)
-and keeps what a user needs to translate with it or train on from it: the weights in fp16, the config (with the
-paths of the machine that trained it cleared), the update count; no optimizer state, no meters. It writes through
-a temporary file and an atomic rename. ``verify`` checks the model, ``spm.model`` and ``dict.txt`` against the
-manifest and prints the model's path; a file that does not match is refused with one line. Loading a release
-(``fairseq-generate --path``, ``fairseq-train --finetune-from-model``) goes through the safe loader like any
-checkpoint once ``fairseq_ext`` is imported (``--user-dir``); the weights are cast back to the model's dtype
-(fp32 on CPU) when loaded.
+and keeps what a user needs to translate with it or train on from it: the weights in fp16, the config, the update
+count; no optimizer state, no meters. A release is a public file, so it holds no path of the machine that trained
+it: every path field of the config, in every section and in the model's flat args, gets a machine-free value
+(:data:`PATH_DEFAULTS`: ``save_dir`` -> ``checkpoints``, ``data`` -> ``""``, ``user_dir``, ``bert_model_name`` ->
+None, ...), and any other absolute path keeps only its file name (``sat_initialised_from`` -> ``transformer.pt``);
+the manifest's commands name directories outside the repository as ``DIR``. It writes through a temporary file and
+an atomic rename. ``verify`` checks the model, ``spm.model`` and ``dict.txt`` against the manifest, and that the
+model's config and its manifest entry carry no absolute path (fairseq's own defaults, such as ``/tmp/plasma``,
+excepted), and prints the model's path; a malformed manifest, a ``file`` entry that is not a plain file name of the
+release directory, a file that does not match or a path is refused with one line. ``scrub-paths`` applies pack's
+path rule to the models already in a release (deterministic: the same input gives the same bytes) and records
+their new sha256. Loading a release (``fairseq-generate --path``, ``fairseq-train --finetune-from-model``) goes
+through the safe loader like any checkpoint once ``fairseq_ext`` is imported (``--user-dir``); the weights are cast
+back to the model's dtype (fp32 on CPU) when loaded. BERT-JAM releases hold no BERT path: give
+``--bert-model-name``.
 """
 
 import argparse
@@ -25,17 +34,21 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.errors import FairseqExtError, report
 
 MANIFEST = "MANIFEST.json"
 SHARED_FILES = ("spm.model", "dict.txt")
-# config fields that name paths of the machine that trained the model, and what a release holds instead
-_PATH_FIELDS = {("common", "user_dir"): None, ("common", "tensorboard_logdir"): None,
-                ("checkpoint", "save_dir"): "checkpoints", ("checkpoint", "finetune_from_model"): None,
-                ("checkpoint", "restore_file"): "checkpoint_last.pt", ("task", "data"): ""}
+# config fields (in any section, and in the model's flat args) that name paths of the machine that trained the
+# model, and what a release holds instead
+PATH_DEFAULTS = {"user_dir": None, "tensorboard_logdir": None, "save_dir": "checkpoints", "finetune_from_model": None,
+                 "restore_file": "checkpoint_last.pt", "data": "", "log_file": None, "results_path": None,
+                 "bert_model_name": None, "bert_feature_cache": None, "sat_init_from": None, "wandb_project": None,
+                 "aim_repo": None}
+_ABS_PATH = re.compile(r"(?<![\w.:/-])(?:/|~/)[^\s'\"]*")  # an absolute path inside a command line
 
 
 class ReleaseError(FairseqExtError):
@@ -50,12 +63,48 @@ def sha256(path):
     return h.hexdigest()
 
 
-def read_manifest(release_dir):
+def read_manifest(release_dir, missing_ok=True):
+    """The release's manifest, checked for the structure ``pack`` writes (ReleaseError naming the file)."""
     path = os.path.join(release_dir, MANIFEST)
     if not os.path.isfile(path):
-        return {"files": {}, "models": {}}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        if missing_ok:
+            return {"files": {}, "models": {}}
+        raise ReleaseError(f"{path} does not exist; restore the release (git checkout -- {release_dir}) or use "
+                           "--from-scratch")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ReleaseError(f"{path} is not readable JSON ({type(exc).__name__}: {str(exc)[:80]}); restore it "
+                           f"(git checkout -- {path}) or use --from-scratch") from None
+    why = _manifest_problem(manifest)
+    if why:
+        raise ReleaseError(f"{path} is not a release manifest: {why}; restore it (git checkout -- {path}) or use "
+                           "--from-scratch")
+    return manifest
+
+
+def _plain_file_name(name):
+    return isinstance(name, str) and name not in ("", ".", "..") and os.path.basename(name) == name and \
+        "/" not in name and "\\" not in name and "\0" not in name
+
+
+def _manifest_problem(manifest):
+    if not isinstance(manifest, dict):
+        return f"a JSON {type(manifest).__name__}, not an object"
+    for key in ("files", "models"):
+        if not isinstance(manifest.get(key), dict):
+            return f"it has no '{key}' object"
+    for name, entry in manifest["files"].items():
+        if name not in SHARED_FILES or not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            return f"files[{name!r}] is not one of {', '.join(SHARED_FILES)} with a sha256"
+    for name, entry in manifest["models"].items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
+            return f"models[{name!r}] has no sha256"
+        if not _plain_file_name(entry.get("file")):
+            return (f"models[{name!r}].file {str(entry.get('file'))[:80]!r} is not the name of a file in the release "
+                    "directory")
+    return None
 
 
 def _write_json(path, obj):
@@ -66,11 +115,101 @@ def _write_json(path, obj):
     os.replace(tmp, path)
 
 
-def _clear_paths(cfg):
-    for (section, field), value in _PATH_FIELDS.items():
-        sub = cfg.get(section) if hasattr(cfg, "get") else None
-        if sub is not None and field in sub:
-            sub[field] = value
+def _fairseq_default_paths():
+    """{field: default} of fairseq's config fields whose default is an absolute path (e.g. plasma_path)."""
+    import dataclasses
+
+    from fairseq.dataclass.configs import FairseqConfig
+
+    out = {}
+    for section in dataclasses.fields(FairseqConfig):
+        if isinstance(section.type, type) and dataclasses.is_dataclass(section.type):
+            for f in dataclasses.fields(section.type):
+                if isinstance(f.default, str) and os.path.isabs(f.default):
+                    out[f.name] = f.default
+    return out
+
+
+def _is_machine_path(field, value, allowed):
+    return isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")) and allowed.get(field) != value
+
+
+def _config_entries(obj, where="", depth=0):
+    """(owner, key, where, value) of every value under ``obj`` (dicts, DictConfigs, Namespaces, lists)."""
+    import argparse as _argparse
+
+    from omegaconf import DictConfig, ListConfig
+
+    if depth > 32:
+        return
+    if isinstance(obj, _argparse.Namespace):
+        items = list(vars(obj).items())
+    elif isinstance(obj, (dict, DictConfig)):
+        items = list(obj.items())
+    elif isinstance(obj, (list, ListConfig)):
+        items = list(enumerate(obj))
+    else:
+        return
+    for key, value in items:
+        sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        yield obj, key, sub, value
+        yield from _config_entries(value, sub, depth + 1)
+
+
+def machine_paths(state):
+    """(where, value) of every absolute path in the ``args`` / ``cfg`` of a checkpoint ``state`` (fairseq's own
+    defaults excepted)."""
+    allowed = _fairseq_default_paths()
+    return [(where, value) for section in ("args", "cfg")
+            for _, key, where, value in _config_entries(state.get(section), section)
+            if _is_machine_path(key, value, allowed)]
+
+
+def _set(owner, key, value):
+    if isinstance(owner, (dict, list)) or hasattr(owner, "__setitem__"):
+        owner[key] = value
+    else:
+        setattr(owner, key, value)
+
+
+def public_config(cfg):
+    """Give every path field of ``cfg`` (changed in place) its machine-free value (module docstring)."""
+    allowed = _fairseq_default_paths()
+    for owner, key, _, value in list(_config_entries(cfg)):
+        if key in PATH_DEFAULTS and isinstance(value, str):
+            _set(owner, key, PATH_DEFAULTS[key])
+        elif _is_machine_path(key, value, allowed):
+            _set(owner, key, os.path.basename(value.rstrip("/")))
+    return cfg
+
+
+def public_text(text, root=None):
+    """``text`` (a command line) with the repository's root dropped from paths under it and every other
+    absolute path shown as ``DIR``."""
+    root = os.path.abspath(root or os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def sub(m):
+        path = m.group(0)
+        return path[len(root) + 1:] if path.startswith(root + os.sep) else "DIR"
+
+    return _ABS_PATH.sub(sub, text) if isinstance(text, str) else text
+
+
+def _public_meta(entry):
+    for key, value in list(entry.items()):
+        if isinstance(value, str):
+            entry[key] = public_text(value)
+        elif isinstance(value, dict):
+            _public_meta(value)
+    return entry
+
+
+def _meta_paths(entry, where="models"):
+    for key, value in entry.items():
+        if isinstance(value, str) and _ABS_PATH.search(value):
+            yield f"{where}.{key}", _ABS_PATH.search(value).group(0)
+        elif isinstance(value, dict):
+            yield from _meta_paths(value, f"{where}.{key}")
 
 
 def release_state(state):
@@ -96,7 +235,7 @@ def release_state(state):
     out = {
         "model": model,
         "cfg": state.get("cfg"),
-        "args": state.get("args"),
+        "args": copy.deepcopy(state.get("args")),
         "optimizer_history": kept_history,
         # the data position only: fairseq adds "previous_training_time" to the time --stop-time-hours counts, even
         # for --finetune-from-model, so a release that kept it would stop a continuation before its first update
@@ -105,7 +244,8 @@ def release_state(state):
     }
     if out["cfg"] is not None:
         out["cfg"] = copy.deepcopy(out["cfg"])
-        _clear_paths(out["cfg"])
+    public_config(out["cfg"])
+    public_config(out["args"])
     return out
 
 
@@ -137,7 +277,7 @@ def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
     atomic_torch_save(state, out)
     unique = {v.data_ptr(): v for v in state["model"].values() if v.is_floating_point()}
     n_params = sum(v.numel() for v in unique.values())
-    entry = dict(meta or {})
+    entry = _public_meta(dict(meta or {}))
     entry.update({"file": f"{name}.pt", "sha256": sha256(out), "bytes": os.path.getsize(out),
                   "parameters": n_params, "num_updates": state["release"]["num_updates"], "dtype": "float16",
                   "optimizer_state": False})
@@ -148,9 +288,10 @@ def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
 
 def verify(release_dir, name, if_present=False):
     """The path of ``release_dir``/``name``.pt after checking it, ``spm.model`` and ``dict.txt`` against the
-    manifest; ReleaseError (one line) when anything is missing or differs. ``if_present``: None instead of an error
-    when the manifest has no model ``name``."""
-    manifest = read_manifest(release_dir)
+    manifest and the model's config and manifest entry for paths of the machine that built it; ReleaseError (one
+    line) when anything is missing, differs or carries such a path. ``if_present``: None instead of an error when
+    the manifest has no model ``name``."""
+    manifest = read_manifest(release_dir, missing_ok=if_present)
     entry = manifest["models"].get(name)
     if entry is None and if_present:
         return None
@@ -158,16 +299,60 @@ def verify(release_dir, name, if_present=False):
         have = ", ".join(sorted(manifest["models"])) or "none"
         raise ReleaseError(f"{release_dir} has no release of '{name}' (it has: {have}); train one with "
                            f"tools/train_release.py --arch {name}, or use --from-scratch")
+    missing = [f for f in SHARED_FILES if f not in manifest["files"]]
+    if missing:
+        raise ReleaseError(f"{os.path.join(release_dir, MANIFEST)} records no {missing[0]}; restore the manifest "
+                           f"(git checkout -- {release_dir}) or use --from-scratch")
     checks = [(entry["file"], entry["sha256"])] + [(f, manifest["files"][f]["sha256"]) for f in SHARED_FILES]
     for file_name, want in checks:
         path = os.path.join(release_dir, file_name)
-        if not os.path.isfile(path):
-            raise ReleaseError(f"release file {path} is missing; restore it (git checkout -- {path}) or use "
-                               "--from-scratch")
+        if not os.path.isfile(path) or os.path.islink(path):
+            raise ReleaseError(f"release file {path} is missing (or a link); restore it (git checkout -- {path}) or "
+                               "use --from-scratch")
         if sha256(path) != want:
             raise ReleaseError(f"release file {path} does not match its sha256 in {os.path.join(release_dir, MANIFEST)}"
                                f" (changed or damaged); restore it (git checkout -- {path}) or use --from-scratch")
-    return os.path.join(release_dir, entry["file"])
+    path = os.path.join(release_dir, entry["file"])
+    found = next(iter(_meta_paths(entry, f"models.{name}")), None)
+    if found is None:
+        from fairseq_ext.checkpoint_io import load_checkpoint_file
+
+        found = next(iter(machine_paths(load_checkpoint_file(path))), None)
+    if found is not None:
+        raise ReleaseError(f"release {path} carries a path of the machine that built it ({found[0]} = "
+                           f"{str(found[1])[:80]!r}); a release must not: rewrite it with python -m "
+                           f"fairseq_ext.release scrub-paths --release-dir {release_dir}")
+    return path
+
+
+def scrub_paths(release_dir, names=None):
+    """Apply pack's path rule (module docstring) to the models ``names`` (default: all) of a release and to their
+    manifest entries, recording the new sha256 and size; returns {name: (old sha256, new sha256)}. The same input
+    gives the same bytes, so a second run changes nothing."""
+    from fairseq_ext.checkpoint_io import atomic_torch_save, load_checkpoint_file
+
+    with open(os.path.join(release_dir, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_manifest(release_dir, missing_ok=False)
+        done = {}
+        for name in names or sorted(manifest["models"]):
+            if name not in manifest["models"]:
+                raise ReleaseError(f"{release_dir} has no release of '{name}'")
+            entry = manifest["models"][name]
+            path = os.path.join(release_dir, entry["file"])
+            if sha256(path) != entry["sha256"]:
+                raise ReleaseError(f"release file {path} does not match its sha256 in the manifest; restore it "
+                                   f"(git checkout -- {path}) before rewriting it")
+            old = entry["sha256"]
+            state = load_checkpoint_file(path)
+            public_config(state.get("cfg"))
+            public_config(state.get("args"))
+            atomic_torch_save(state, path)
+            _public_meta(entry)
+            entry.update({"sha256": sha256(path), "bytes": os.path.getsize(path)})
+            done[name] = (old, entry["sha256"])
+        _write_json(os.path.join(release_dir, MANIFEST), manifest)
+    return done
 
 
 def main(argv=None):
@@ -185,9 +370,16 @@ def main(argv=None):
     vf.add_argument("--name", required=True)
     vf.add_argument("--if-present", action="store_true",
                     help="print nothing and succeed when the release has no model NAME (the quickstart's check)")
+    sc = sub.add_parser("scrub-paths", help="rewrite a release's models without the paths of the machine that "
+                        "built them (pack's rule) and record their new sha256")
+    sc.add_argument("--release-dir", required=True)
+    sc.add_argument("--name", action="append", help="only this model (repeatable; default: all)")
     args = p.parse_args(argv)
     try:
-        if args.command == "pack":
+        if args.command == "scrub-paths":
+            for name, (old, new) in scrub_paths(args.release_dir, args.name).items():
+                print(f"{name}: sha256 {old} -> {new}" if old != new else f"{name}: unchanged, sha256 {new}")
+        elif args.command == "pack":
             meta = None
             if args.meta:
                 with open(args.meta, encoding="utf-8") as f:
@@ -200,7 +392,7 @@ def main(argv=None):
             if path is not None:
                 print(path)
     except FairseqExtError as exc:
-        print(f"fairseq_ext.release: {exc}", file=sys.stderr)
+        report(exc)
         return 1
     return 0
 

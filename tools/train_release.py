@@ -5,9 +5,9 @@
 Runs ``examples/quickstart.sh --from-scratch`` with the arch's quickstart settings and ``--max-update`` updates
 (no time cap below ``--minutes``), then scores the averaged checkpoint on the valid set (beam 5, sacreBLEU) and
 packs it with ``python -m fairseq_ext.release pack`` into ``releases/CORPUS-SRC-TGT/ARCH.pt`` (fp16, no optimizer
-state, sha256 in MANIFEST.json). The manifest records the command, the updates, the wall-clock and CPU time of
-the whole run (``resource.getrusage`` of the child processes: preparation, training, decoding), the valid and
-test BLEU and the machine's core count. The models of one release directory share its sentencepiece model and
+state, no path of this machine, sha256 in MANIFEST.json). The manifest records the command (directories outside
+the repository as ``DIR``), the updates, the wall-clock and CPU time of the whole run (``resource.getrusage`` of
+the child processes: preparation, training, decoding), the valid and test BLEU and the machine's core count. The models of one release directory share its sentencepiece model and
 dictionary: once the directory has an ``spm.model``, the run encodes with it (``--spm-model``). The valid BLEU is
 a report, not a selection: the settings and the update count are fixed before training.
 """
@@ -79,6 +79,8 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="the quickstart's --smoke (20 updates) and a bounded valid "
                    "decode: a fast check of every step, used by the tests")
     args = p.parse_args(argv)
+    from fairseq_ext.release import public_text
+
     # fairseq-generate and sacrebleu of this Python's environment, activated or not
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     direction = DIRECTIONS.get(args.arch, "de-en")
@@ -144,9 +146,11 @@ def main(argv=None):
     threads = int(env.get("OMP_NUM_THREADS", "2"))
     meta = {
         "arch": args.arch, "name": name, "corpus": args.corpus, "direction": direction,
-        "command": "python tools/train_release.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "quickstart_command": " ".join(cmd[1:]).replace(ROOT + os.sep, ""),
-        "quickstart_environment": {k: env[k].replace(ROOT + os.sep, "") for k in ("SAT_K", "SAT_TEACHER") if k in env},
+        # a release is public: paths in the repository relative to it, any other shown as DIR
+        "command": public_text("python tools/train_release.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                               ROOT),
+        "quickstart_command": public_text(" ".join(cmd[1:]), ROOT),
+        "quickstart_environment": {k: public_text(env[k], ROOT) for k in ("SAT_K", "SAT_TEACHER") if k in env},
         "updates_trained": n_updates,
         "wall_seconds": round(wall), "cpu_seconds": round(cpu),
         "train_seconds": round(float(done[-1])) if done else None,

@@ -1,10 +1,20 @@
 """BERT inside BERT-JAM: loading a Hugging Face BERT offline (config, tokenizer, weights), the checks that its
 tokenizer and prepared inputs belong to it, and the one path from fairseq source tokens to BERT ids.
 
+A BERT directory (``--bert-model-name``, or the path a checkpoint recorded when the flag is not given) is data,
+never code: every ``from_pretrained`` passes ``trust_remote_code=False`` and ``local_files_only=True`` (nothing is
+downloaded), and before transformers reads it, :func:`check_bert_directory` refuses a ``config.json`` or
+``tokenizer_config.json`` with an ``auto_map`` (custom classes that transformers would import from the directory
+and run; without ``trust_remote_code=False`` it asks "run the custom code?" with ``input()``, which under
+``fairseq-interactive`` reads the user's own sentences) and a ``model_type`` that transformers does not know. The
+path in use is logged. Not covered: the weights are data a model computes with (a BERT of the right shape but
+other weights changes the translations; phase 1-2 checkpoints check its sha256).
+
 ``transformers`` is imported lazily (inside functions), never at package import time.
 """
 
 import functools
+import json
 import logging
 import os
 import re
@@ -26,9 +36,9 @@ def bert_load_error(name, what, exc):
     name_s = str(name)
     if (os.path.isabs(name_s) or name_s.startswith(".") or name_s.count("/") > 1) and not os.path.exists(name_s):
         return FairseqExtError(
-            f"--bert-model-name {name}: no such directory; give a local directory holding config.json, the "
-            "weights and the tokenizer files of a BERT-architecture model (this runs offline, nothing is "
-            "downloaded)")
+            f"--bert-model-name {name}: no such directory (the flag's value, or the path recorded in the "
+            "checkpoint when the flag is not given); give a local directory holding config.json, the weights and "
+            "the tokenizer files of a BERT-architecture model (this runs offline, nothing is downloaded)")
     if os.path.isdir(name_s) and not os.path.isfile(os.path.join(name_s, "config.json")):
         return FairseqExtError(
             f"--bert-model-name {name}: the directory has no config.json, so it is not a saved BERT model; give "
@@ -40,14 +50,64 @@ def bert_load_error(name, what, exc):
     )
 
 
+# what every from_pretrained of a BERT directory gets: no code from the directory, nothing downloaded
+OFFLINE_DATA_ONLY = {"trust_remote_code": False, "local_files_only": True}
+
+
+def _bert_file(name, filename):
+    """The path of ``filename`` of the BERT ``name`` (a directory, or a name in the local Hugging Face cache), or
+    None where there is none."""
+    if os.path.isdir(str(name)):
+        path = os.path.join(str(name), filename)
+        return path if os.path.isfile(path) else None
+    try:
+        from transformers.utils import cached_file
+
+        return cached_file(str(name), filename, local_files_only=True, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+    except Exception:  # noqa: BLE001 - not in the cache: from_pretrained says so below
+        return None
+
+
+def check_bert_directory(name):
+    """Refuse (one line) a BERT whose config.json or tokenizer_config.json asks transformers to run code from the
+    directory (``auto_map``), or whose ``model_type`` transformers does not know (module docstring)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    for filename in ("config.json", "tokenizer_config.json"):
+        path = _bert_file(name, filename)
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                content = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise FairseqExtError(f"BERT {name}: {filename} is not readable JSON ({type(exc).__name__}); give a "
+                                  "directory written by save_pretrained") from None
+        if not isinstance(content, dict):
+            raise FairseqExtError(f"BERT {name}: {filename} is not a JSON object; give a directory written by "
+                                  "save_pretrained")
+        if "auto_map" in content:
+            raise FairseqExtError(
+                f"refusing BERT {name}: its {filename} has an auto_map, i.e. custom code that transformers would "
+                "import from the directory and run; BERT-JAM loads transformers' own architectures only and never "
+                "runs code from a model directory (use a BERT saved by transformers' BertModel.save_pretrained)")
+        if filename == "config.json" and content.get("model_type") not in CONFIG_MAPPING:
+            raise FairseqExtError(
+                f"refusing BERT {name}: config.json has model_type {str(content.get('model_type'))[:40]!r}, which "
+                "transformers does not know; give a BERT-architecture model (model_type 'bert' or another of "
+                "transformers' own)")
+
+
 def load_bert_tokenizer(name):
     if not name:
         raise FairseqExtError("--bert-model-name is required with --task translation_bert / --arch bert_jam*: "
                               "give the directory (or cached name) of a BERT-architecture model")
     from transformers import AutoTokenizer  # lazy: slow import
 
+    check_bert_directory(name)
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, **OFFLINE_DATA_ONLY)
     except Exception as exc:  # noqa: BLE001 - one line for the user
         raise bert_load_error(name, "tokenizer", exc) from None
     if tok.pad_token_id is None:
@@ -61,8 +121,9 @@ def load_bert_config(name):
     """The model's config (cached: the model, the input builder and the checks read the same one)."""
     from transformers import AutoConfig
 
+    check_bert_directory(name)
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **OFFLINE_DATA_ONLY)
     except Exception as exc:  # noqa: BLE001
         raise bert_load_error(name, "config", exc) from None
 
@@ -226,6 +287,9 @@ def build_bert(name, from_checkpoint=False):
     from transformers import AutoModel  # lazy: slow import
 
     config = load_bert_config(name)
+    where = os.path.abspath(str(name)) if os.path.isdir(str(name)) else f"{name} (local Hugging Face cache)"
+    logger.info(f"BERT-JAM: BERT {'architecture' if from_checkpoint else 'weights'} from {where} (--bert-model-name, "
+                "or the path recorded in the checkpoint when that flag is not given)")
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
@@ -235,9 +299,10 @@ def build_bert(name, from_checkpoint=False):
     try:
         try:
             bert = (AutoModel.from_config(config, add_pooling_layer=False) if from_checkpoint
-                    else AutoModel.from_pretrained(name, add_pooling_layer=False))
+                    else AutoModel.from_pretrained(name, add_pooling_layer=False, **OFFLINE_DATA_ONLY))
         except TypeError:  # a BERT-like model without a pooler argument
-            bert = AutoModel.from_config(config) if from_checkpoint else AutoModel.from_pretrained(name)
+            bert = (AutoModel.from_config(config) if from_checkpoint
+                    else AutoModel.from_pretrained(name, **OFFLINE_DATA_ONLY))
     except FairseqExtError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -27,10 +27,11 @@ Inference only: the layers hold int8 copies, not parameters (``state_dict`` omit
 float model), take float32 inputs on the CPU, and refuse autograd with one line. The kernel runs on the calling
 thread, except calls of :data:`THREADED_WORK` multiply-adds or more (batched decoding), whose outputs are split
 over ``torch.get_num_threads()`` threads (the same numbers). Where the CPU, the operating system or the compiler
-cannot run it, the flags are refused with one line that says why; ``int8-decoder`` /
-``int8-encoder`` then remain. ``FAIRSEQ_EXT_CACHE`` (default ``~/.cache/fairseq_ext``) holds the built
-library, named by a hash of the source and the flags and loaded as it is found there, so a directory that
-another user owns or that group or others can write is refused. ``CC`` picks the compiler (default ``cc``, GCC 11 / Clang 12 or newer).
+cannot run it, the flags are refused with one line that says why; ``int8-decoder`` / ``int8-encoder`` then
+remain. The library is built, cached and loaded by :mod:`fairseq_ext.inference.native` (``FAIRSEQ_EXT_CACHE``,
+default ``~/.cache/fairseq_ext``, refused where another user could change what is loaded from it; ``CC``, GCC 11 /
+Clang 12 or newer; ``FAIRSEQ_EXT_NATIVE=0`` turns it off). The layer checks what it hands to C (dtype, device,
+shapes) and refuses anything else with one line.
 """
 
 import ctypes
@@ -98,6 +99,21 @@ class AmxInt8Linear(torch.nn.Module):
 
     def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor]):
         super().__init__()
+        # what the C code reads: an int8 [N, K] weight, N float scales, N float biases, all in CPU memory
+        ok = (torch.is_tensor(weight_int8) and weight_int8.dtype is torch.int8 and weight_int8.is_cpu
+              and weight_int8.dim() == 2 and weight_int8.numel() > 0)
+        N = weight_int8.size(0) if ok else -1
+
+        def vector(t):
+            return torch.is_tensor(t) and t.is_cpu and t.is_floating_point() and tuple(t.shape) == (N,)
+
+        ok = ok and vector(weight_scale) and (bias is None or vector(bias))
+        if not ok:
+            raise FairseqExtError(
+                f"AmxInt8Linear: takes an int8 CPU weight [N, K] and float CPU scales and bias [N] (got "
+                f"{getattr(weight_int8, 'dtype', '?')} {tuple(getattr(weight_int8, 'shape', ()))}, scales "
+                f"{tuple(getattr(weight_scale, 'shape', ()))}, bias "
+                f"{None if bias is None else tuple(getattr(bias, 'shape', ()))})")
         lib = kernel()
         self.out_features, self.in_features = weight_int8.shape
         # plain attributes, not buffers: .to() / .half() of the model must not cast or move what the kernel reads
@@ -131,7 +147,8 @@ class AmxInt8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is not torch.float32 or x.device.type != "cpu" or (x.requires_grad and torch.is_grad_enabled()):
+        if x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() < 1 or \
+                (x.requires_grad and torch.is_grad_enabled()):
             raise FairseqExtError(
                 f"AmxInt8Linear (amx-int8 speed-ups) is for float32 CPU inference without autograd (got a "
                 f"{x.dtype} {x.device.type} input{' that requires grad' if x.requires_grad else ''}); "

@@ -30,12 +30,15 @@ PyTorch's.
   where each op costs more, 94-111 us against 24-32 us (``benchmarks/bench_beam_parts.py``). It changes no number, so the generator uses it wherever the
   library builds (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
 
-Float32 on the CPU only.
+Float32 on the CPU only. Both wrappers check what they hand to C before the call (dtype, device, shape, and the
+index values the C code reads memory with) and refuse anything else with one line; an input that is not contiguous
+is copied. ``FAIRSEQ_EXT_NATIVE=0`` keeps the generator on PyTorch's ops (:mod:`fairseq_ext.inference.native`).
 """
 
 import ctypes
 import os
 import sys
+import weakref
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -113,7 +116,10 @@ def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
         why = top_refusal()
         if why is not None:
             raise FairseqExtError(why)
-    V = x.size(-1)
+    if getattr(x, "dtype", None) is not torch.float32 or not x.is_cpu or not x.dim():
+        raise FairseqExtError(f"log_softmax_top: the logits must be a float32 CPU tensor [..., V] (got "
+                              f"{getattr(x, 'dtype', type(x).__name__)} on {getattr(x, 'device', '?')})")
+    V = x.shape[-1]
     if not 1 <= B <= V or not 0 <= keep < V:
         raise FairseqExtError(f"log_softmax_top: B={B} and column {keep} for rows of {V}")
     if not x.is_contiguous():
@@ -130,6 +136,58 @@ def log_softmax_top(x: torch.Tensor, B: int, skip: Tuple[int, int], keep: int
 
 SERIAL_MAX_ROWS = 64  # rows up to which the one-thread kernel is used whatever torch.get_num_threads() is
 GROUP_MAX_BEAM = 64  # the C step keeps a sentence's top B on its stack
+_checked_candidates = {}  # id(ranks) -> (weakref to ranks, its version, weakref to lengths, its version, B, K)
+
+
+def _version(t):
+    """The tensor's in-place change counter (inference tensors have none: they are checked once)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _check_group_args(scores, vals, words, eos_lp, n, P, J, ranks, lengths):
+    """Refuse (one line) what :func:`enumerated_group` must not hand to C: another dtype or device, shapes that do
+    not fit each other, a beam over :data:`GROUP_MAX_BEAM`, ranks outside [0, B) or lengths outside [0, K] (the C
+    code reads ``vals`` at those indices). The candidates (ranks, lengths) are checked once per tensor and again
+    after an in-place change (the generator reuses one cached pair); the rest on every call (about 2 us)."""
+    F, L = torch.float32, torch.int64
+    try:
+        ok = (scores.dtype is F and vals.dtype is F and eos_lp.dtype is F and words.dtype is L and scores.is_cpu
+              and vals.is_cpu and eos_lp.is_cpu and words.is_cpu)
+        shape = vals.shape
+    except AttributeError:
+        ok = False
+    if not ok:
+        raise FairseqExtError("enumerated_group: scores, vals and eos_lp must be float32 and words int64 CPU tensors "
+                              "(got " + ", ".join(f"{getattr(t, 'dtype', type(t).__name__)} on "
+                                                 f"{getattr(t, 'device', '?')}" for t in (scores, vals, words, eos_lp))
+                              + ")")
+    if len(shape) != 3 or not 1 <= shape[2] <= GROUP_MAX_BEAM or words.shape != shape or \
+            scores.shape != shape[:1] or eos_lp.shape != shape[:2] or n * P != shape[0] or not 0 <= J <= shape[1]:
+        raise FairseqExtError(
+            f"enumerated_group: shapes that do not fit: scores {tuple(scores.shape)}, vals {tuple(vals.shape)}, words "
+            f"{tuple(words.shape)}, eos_lp {tuple(eos_lp.shape)}, n={n}, P={P}, J={J} (vals [N, K, B], N = n * P, "
+            f"J <= K, 1 <= B <= {GROUP_MAX_BEAM})")
+    K, B = shape[1], shape[2]
+    seen = _checked_candidates.get(id(ranks))
+    if seen is not None and seen[0]() is ranks and seen[2]() is lengths and seen[4] == B and seen[5] == K and \
+            seen[1] == _version(ranks) and seen[3] == _version(lengths):
+        return
+    if not (torch.is_tensor(ranks) and torch.is_tensor(lengths) and ranks.dtype is L and lengths.dtype is L
+            and ranks.is_cpu and lengths.is_cpu and ranks.dim() == 2 and ranks.size(1) == K
+            and lengths.shape == ranks.shape[:1]):
+        raise FairseqExtError(f"enumerated_group: ranks must be an int64 CPU tensor [C, {K}] and lengths one of [C] "
+                              f"(got {getattr(ranks, 'dtype', '?')} {tuple(getattr(ranks, 'shape', ()))} and "
+                              f"{getattr(lengths, 'dtype', '?')} {tuple(getattr(lengths, 'shape', ()))})")
+    if ranks.numel() and (int(ranks.min()) < 0 or int(ranks.max()) >= B or int(lengths.min()) < 0
+                          or int(lengths.max()) > K):
+        raise FairseqExtError(f"enumerated_group: ranks must lie in [0, {B}) and lengths in [0, {K}]")
+    if len(_checked_candidates) > 256:
+        _checked_candidates.clear()
+    _checked_candidates[id(ranks)] = (weakref.ref(ranks), _version(ranks), weakref.ref(lengths), _version(lengths),
+                                      B, K)
 
 
 def enumerated_group(scores: torch.Tensor, vals: torch.Tensor, words: torch.Tensor, eos_lp: torch.Tensor, n: int,
@@ -139,12 +197,12 @@ def enumerated_group(scores: torch.Tensor, vals: torch.Tensor, words: torch.Tens
     ``vals`` / ``words`` [N, K, B], ``eos_lp`` [N, K], ``ranks`` [C, K], ``lengths`` [C] (N = n * P, J positions).
     Returns (cum [N, C, K], words [N, C, K], end [N, C], alive [N, C], fin [J, n, B]) as documented in
     ``fairseq_ext/native/search_kernels.c``. Needs B <= :data:`GROUP_MAX_BEAM` and :func:`kernel`."""
+    _check_group_args(scores, vals, words, eos_lp, n, P, J, ranks, lengths)
     N, K, B = vals.shape
     C = ranks.size(0)
-    if B > GROUP_MAX_BEAM:
-        raise FairseqExtError(f"enumerated_group: beam {B} is over {GROUP_MAX_BEAM}")
-    scores, vals, eos_lp = (t.float().contiguous() for t in (scores, vals, eos_lp))
-    words, ranks, lengths = (t.long().contiguous() for t in (words, ranks, lengths))
+    scores, vals, eos_lp, words = (t if t.is_contiguous() else t.contiguous() for t in (scores, vals, eos_lp, words))
+    if not (ranks.is_contiguous() and lengths.is_contiguous()):
+        ranks, lengths = ranks.contiguous(), lengths.contiguous()
     cum = torch.empty(N, C, K)
     cwords = torch.empty(N, C, K, dtype=torch.long)
     end = torch.empty(N, C)

@@ -407,3 +407,25 @@ def test_temporary_files_of_a_killed_copy_are_removed_at_the_next_copy(tmp_path)
     assert PathManager.copy(str(src), str(dst), overwrite=True)
     assert dst.read_bytes() == src.read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint3.pt", "checkpoint_last.pt", live.name])
+
+
+# ---- meters restored by --restore-file ----
+
+@pytest.mark.parametrize("metrics", [{"train": [(10, "loss", "OrderedDict", {})]},
+                                     {"train": [(10, "loss", "AverageMeter", {"val": "x", "sum": 1, "count": 1})]},
+                                     {"train": "not a list"}])
+def test_crafted_meters_are_refused_by_fairseq_train_restore_file(tiny_transformer_dir, genuine, tmp_path, metrics):
+    """fairseq rebuilds extra_state.metrics by looking each meter's class name up among the globals of
+    fairseq.logging.meters and calling it; a crafted entry ended --restore-file in a traceback (or in one at the
+    first log line). Refused at load with one line naming the file."""
+    state = copy.deepcopy(genuine)
+    state["extra_state"]["metrics"] = metrics
+    state["extra_state"]["train_iterator"]["iterations_in_epoch"] = 1  # mid-epoch: fairseq restores the meters
+    path = _save(tmp_path, state, "crafted.pt")
+    proc = run_cli("train", train_args(tiny_transformer_dir, "transformer_iwslt_de_en", TINY_TRANSFORMER + [
+        "--save-dir", str(tmp_path / "save"), "--restore-file", path, "--max-update", "3", "--max-epoch", "3"]),
+        check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith(f"error: refusing to load checkpoint {path}: extra_state.metrics"), last
+    assert "--reset-meters" in last

@@ -40,16 +40,29 @@ def _assert_one_line_error(proc, *fragments):
 
 
 def test_torch_load_keeps_weights_only_after_importing_the_plugin(tmp_path):
+    """After ``import fairseq_ext``: a plain ``torch.load`` keeps torch's weights-only default (the plugin widens
+    nothing outside its loaders), and every load fairseq makes goes through the plugin's loader even where fairseq
+    asks for ``weights_only=False`` (fairseq main does), so the pickled call never runs while a genuine checkpoint
+    (argparse.Namespace and omegaconf objects) loads. Without the plugin's loader fairseq's own ``torch.load`` would
+    run the payload (or refuse the genuine checkpoint)."""
     import pickle
 
     import fairseq_ext  # noqa: F401
+    from fairseq import checkpoint_utils
 
     assert "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD" not in os.environ
     marker = tmp_path / "pwned"
     torch.save({"x": _Exploit(marker)}, tmp_path / "evil.pt")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         torch.load(tmp_path / "evil.pt")
+    with open(tmp_path / "evil.pt", "rb") as f, pytest.raises(pickle.UnpicklingError, match="system"):
+        checkpoint_utils.torch.load(f, map_location="cpu", weights_only=False)  # as fairseq main calls it
+    with pytest.raises(checkpoint_io.UnsafeCheckpointError, match="refusing to load checkpoint .*evil.pt"):
+        checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "evil.pt"))
     assert not marker.exists()
+    release = os.path.join(os.path.dirname(USER_DIR), "releases", "bible-de-en", "transformer.pt")
+    if os.path.isfile(release):
+        assert isinstance(checkpoint_utils.load_checkpoint_to_cpu(release)["cfg"]["model"], argparse.Namespace)
 
 
 def test_real_checkpoint_loads_with_weights_only(tiny_transformer_dir):

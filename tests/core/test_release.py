@@ -235,3 +235,105 @@ def test_train_release_trains_scores_and_packs_with_the_shared_bpe(tmp_path):
     if os.path.isfile(shipped_spm):
         assert (rel / "spm.model").read_bytes() == open(shipped_spm, "rb").read()
         assert "with the sentencepiece model" in proc.stdout
+
+
+# ---- releases carry no path of the machine that built them; malformed manifests are refused ----
+
+def _copy_release(tmp_path, name="bible-de-en", models=("transformer",)):
+    """A copy of a shipped release directory with only ``models`` in it."""
+    src, rel = os.path.join(RELEASES, name), tmp_path / name
+    rel.mkdir(parents=True)
+    manifest = read_manifest(src)
+    manifest["models"] = {m: manifest["models"][m] for m in models}
+    for f in list(SHARED) + [manifest["models"][m]["file"] for m in models]:
+        shutil.copyfile(os.path.join(src, f), rel / f)
+    json.dump(manifest, open(rel / "MANIFEST.json", "w"))
+    return rel
+
+
+SHARED = ("spm.model", "dict.txt")
+
+
+@pytest.mark.parametrize("release_dir,name", _shipped() or [pytest.param(None, None, marks=pytest.mark.skip(
+    reason="no release in releases/"))])
+def test_shipped_releases_carry_no_path_of_the_machine_that_built_them(release_dir, name):
+    from fairseq_ext.release import machine_paths
+
+    path = verify(release_dir, name)  # which checks it too
+    assert machine_paths(load_checkpoint_file(path)) == []
+    entry = read_manifest(release_dir)["models"][name]
+    assert "/work/" not in json.dumps(entry) and "/tmp/" not in json.dumps(entry)
+
+
+def test_pack_writes_no_path_of_the_machine_anywhere_in_the_config(packed):
+    from fairseq_ext.release import machine_paths
+
+    data, rel, out, _, _ = packed
+    original = load_checkpoint_file(os.path.join(data, "checkpoint_last.pt"))
+    assert ("cfg.model.save_dir", data) in machine_paths(original)  # fairseq copies every flag into cfg.model
+    state = load_checkpoint_file(out)
+    assert machine_paths(state) == []
+    assert state["cfg"]["model"].save_dir == "checkpoints" and state["cfg"]["model"].data == ""
+    assert state["cfg"]["common"]["plasma_path"] == "/tmp/plasma"  # fairseq's default, not this machine's
+
+
+def test_verify_refuses_a_release_with_a_machine_path_and_scrub_paths_rewrites_it(tmp_path):
+    """``python -m fairseq_ext.release verify`` refuses a release whose config names a directory of the machine
+    that built it with one line; ``scrub-paths`` rewrites it (weights unchanged) and records its sha256; a second
+    run gives the same bytes."""
+    from fairseq_ext.checkpoint_io import atomic_torch_save
+    from fairseq_ext.release import sha256
+
+    rel = _copy_release(tmp_path)
+    path = rel / "transformer.pt"
+    state = load_checkpoint_file(str(path))
+    state["cfg"]["model"].data = "/home/builder/bin-de-en"
+    state["cfg"]["model"].sat_initialised_from = "/home/builder/releases/transformer.pt"
+    atomic_torch_save(state, str(path))
+    manifest = read_manifest(str(rel))
+    manifest["models"]["transformer"]["sha256"] = sha256(str(path))
+    manifest["models"]["transformer"]["command"] = "python tools/train_release.py --workdir /home/builder/w"
+    json.dump(manifest, open(rel / "MANIFEST.json", "w"))
+    proc = run_module("fairseq_ext.release", ["verify", "--release-dir", rel, "--name", "transformer"], check=False)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"error: release {path} carries a path of the machine that built it "
+                                  "(models.transformer.command = '/home/builder/w')")
+    from fairseq_ext.release import main
+
+    assert main(["scrub-paths", "--release-dir", str(rel)]) == 0  # what python -m fairseq_ext.release runs
+    assert verify(str(rel), "transformer") == str(path)
+    fixed = load_checkpoint_file(str(path))
+    assert fixed["cfg"]["model"].data == "" and fixed["cfg"]["model"].sat_initialised_from == "transformer.pt"
+    assert all(torch.equal(fixed["model"][k], v) for k, v in state["model"].items())
+    assert read_manifest(str(rel))["models"]["transformer"]["command"] == \
+        "python tools/train_release.py --workdir DIR"
+    digest = sha256(str(path))
+    from fairseq_ext.release import scrub_paths
+
+    assert scrub_paths(str(rel)) == {"transformer": (digest, digest)} and sha256(str(path)) == digest
+
+
+@pytest.mark.parametrize("case", ["no files", "truncated", "file outside", "absolute file"])
+def test_verify_refuses_a_malformed_manifest_with_one_line(tmp_path, case, capsys):
+    """``python -m fairseq_ext.release verify`` (its main): a manifest without ``files``, cut JSON, or a model
+    ``file`` that is not a file of the release directory (with the sha256 of the file it names, so that only the
+    name gives it away) is refused with one ``error:`` line; it never returns a path outside the directory."""
+    from fairseq_ext.release import main, sha256
+
+    rel = _copy_release(tmp_path)
+    text = (rel / "MANIFEST.json").read_text()
+    manifest = json.loads(text)
+    outside = tmp_path / "elsewhere.pt"
+    shutil.copyfile(rel / "transformer.pt", outside)
+    if case == "no files":
+        del manifest["files"]
+    elif case in ("file outside", "absolute file"):
+        manifest["models"]["transformer"]["file"] = "../elsewhere.pt" if case == "file outside" else str(outside)
+        manifest["models"]["transformer"]["sha256"] = sha256(str(outside))
+    (rel / "MANIFEST.json").write_text(text[: len(text) // 2] if case == "truncated" else json.dumps(manifest))
+    assert main(["verify", "--release-dir", str(rel), "--name", "transformer"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"error: {rel / 'MANIFEST.json'} is "), err
+    assert {"no files": "it has no 'files' object", "truncated": "is not readable JSON",
+            "file outside": "is not the name of a file in the release directory",
+            "absolute file": "is not the name of a file in the release directory"}[case] in err

@@ -244,3 +244,13 @@ def test_amx_layers_replace_shared_modules_once():
     assert isinstance(m.decoder.layers[0].fc1, AmxInt8Linear)
     assert m.decoder.layers[1].fc1 is m.decoder.layers[0].fc1
     lean_encoder(lean_decoder(m))  # the lean step and layers take them
+
+
+def test_amx_layer_refuses_weights_c_must_not_read():
+    """The weights, scales and bias the C code reads are checked before the kernel is asked for (on every CPU)."""
+    w = torch.zeros(3, 5, dtype=torch.int8)
+    for args in ((w.float(), torch.ones(3), None), (w[None], torch.ones(3), None), (w, torch.ones(5), None),
+                 (w, torch.ones(3, dtype=torch.int32), None), (w, torch.ones(3), torch.ones(4)),
+                 (torch.zeros(0, 5, dtype=torch.int8), torch.ones(0), None)):
+        with pytest.raises(FairseqExtError, match=r"AmxInt8Linear: takes an int8 CPU weight \[N, K\]"):
+            amx_int8.AmxInt8Linear(*args)

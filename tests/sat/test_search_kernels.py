@@ -251,3 +251,73 @@ def test_many_rows_on_more_than_two_threads_take_pytorchs_parallel_ops():
         assert gen._logits_top(x[:-1], 4, 0, 100) is not None
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernels
+def test_the_wrappers_refuse_what_c_must_not_read(monkeypatch):
+    """Every argument is checked before a pointer reaches C: a dtype or device C would misread, shapes that do not
+    fit, and index values the C code reads memory at (a rank of B reads past a row). One line each."""
+    gen = SATSequenceGenerator([sat_model(2, seed=1)], DICT, beam_size=4)
+    K, B, n, P = 2, 4, 1, 4
+    ranks, lengths, _ = gen._rank_tuples(B, K, torch.device("cpu"))
+    good = dict(scores=torch.randn(n * P), vals=torch.randn(n * P, K, B), words=torch.randint(0, 9, (n * P, K, B)),
+                eos_lp=torch.randn(n * P, K), n=n, P=P, J=K, ranks=ranks, lengths=lengths)
+    search_kernels.enumerated_group(**good)  # accepted
+    bad_ranks = ranks.clone()
+    bad_ranks[-1, 0] = B  # one past the row
+    bad_lengths = lengths.clone()
+    bad_lengths[0] = K + 1
+    for change, message in [
+        (dict(scores=good["scores"].double()), "must be float32"),
+        (dict(words=good["words"].int()), "int64"),
+        (dict(vals=good["vals"][:, :, :2]), "shapes that do not fit"),
+        (dict(n=2), "shapes that do not fit"),
+        (dict(J=K + 1), "shapes that do not fit"),
+        (dict(ranks=ranks.int()), "ranks must be an int64 CPU tensor"),
+        (dict(ranks=bad_ranks), r"ranks must lie in \[0, 4\)"),
+        (dict(lengths=bad_lengths), r"lengths in \[0, 2\]"),
+    ]:
+        with pytest.raises(FairseqExtError, match=message) as e:
+            search_kernels.enumerated_group(**dict(good, **change))
+        assert "\n" not in str(e.value)
+    # a cached pair changed in place after it was checked is checked again
+    cached_ranks = ranks.clone()
+    search_kernels.enumerated_group(**dict(good, ranks=cached_ranks))
+    cached_ranks[-1, 0] = B
+    with pytest.raises(FairseqExtError, match="ranks must lie"):
+        search_kernels.enumerated_group(**dict(good, ranks=cached_ranks))
+
+
+@needs_top
+def test_log_softmax_top_refuses_logits_c_would_misread():
+    x = torch.randn(3, 40)
+    for bad in (x.double(), x.half(), x.to(torch.bfloat16), torch.tensor(1.0)):
+        with pytest.raises(FairseqExtError, match="log_softmax_top: the logits must be a float32 CPU tensor"):
+            search_kernels.log_softmax_top(bad, 2, (PAD, EOS), EOS)
+    for B, keep in ((0, EOS), (41, EOS), (2, 40), (2, -1)):
+        with pytest.raises(FairseqExtError, match="log_softmax_top: B="):
+            search_kernels.log_softmax_top(x, B, (PAD, EOS), keep)
+
+
+def test_a_compiler_that_hangs_leaves_the_generator_on_pytorchs_ops(monkeypatch, tmp_path):
+    """A CC that never finishes is stopped after COMPILE_TIMEOUT_S (shortened here): the reason in one line, no
+    temporary library left, and the generator decodes through PyTorch's ops with the same hypotheses."""
+    from fairseq_ext.inference import native
+
+    m = sat_model(2, seed=3)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=5, seed=4)
+    opts = dict(beam_size=3, max_len_a=0, max_len_b=6)
+    want = SATSequenceGenerator([m], DICT, **opts, lean_step=False).generate([m], _sample(src, src_lengths))
+    _forget_the_library(monkeypatch)
+    hanging = tmp_path / "hanging-cc"
+    hanging.write_text("#!/bin/sh\nsleep 30\n")
+    hanging.chmod(0o755)
+    monkeypatch.setenv("CC", str(hanging))
+    monkeypatch.setenv("FAIRSEQ_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
+    assert search_kernels.refusal() == (f"search kernels unavailable: {hanging} did not build search_kernels.c within "
+                                        "0.5 s (stopped); set CC to a working compiler or FAIRSEQ_EXT_NATIVE=0")
+    gen = SATSequenceGenerator([m], DICT, **opts)
+    assert not gen.reads_top_only and not gen.native_group_step
+    _same_hypos(gen.generate([m], _sample(src, src_lengths)), want, "after a compiler that hangs")
+    assert list((tmp_path / "cache").iterdir()) == []
