@@ -10,6 +10,8 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
     generator.py    the semi-autoregressive generator (greedy and group beam search) and
                     :func:`~fairseq_ext.sat.generator.build_sat_generator`
     task.py         ``--task translation_sat``: fairseq's translation task with that generator
+    speculative.py  ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of an autoregressive verifier
+                    with a SAT drafter
     distill.py      ``python -m fairseq_ext.sat.distill``: a distilled training set from fairseq-generate output
     position_ce.py  ``python -m fairseq_ext.sat.position_ce``: cross-entropy by target position (Figure 4)
 """

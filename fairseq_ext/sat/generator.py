@@ -513,9 +513,11 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
 
 
 def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
-                        prefix_allowed_tokens_fn=None, **unused):
+                        prefix_allowed_tokens_fn=None, draft_path: Optional[str] = None,
+                        draft_speedups: Optional[str] = None, **unused):
     """The semi-autoregressive generator for ``models`` (one SAT or transformer model) and generation
-    options ``args`` (fairseq's GenerationConfig or a Namespace)."""
+    options ``args`` (fairseq's GenerationConfig or a Namespace); with a drafter (``draft_path``, else the task's
+    ``--sat-draft-path``) the speculative greedy search of :mod:`fairseq_ext.sat.speculative`."""
     if getattr(args, "score_reference", False):
         return TranslationTask.build_generator(task, models, args)
     unsupported = [
@@ -544,9 +546,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
         raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    gen = SATSequenceGenerator(
-        models,
-        task.target_dictionary,
+    opts = dict(
         print_alignment=getattr(args, "print_alignment", None) or None,
         lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
         beam_size=beam,
@@ -559,6 +559,18 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         temperature=getattr(args, "temperature", 1.0),
         no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
     )
+    cfg = getattr(task, "cfg", None)
+    draft_path = draft_path or getattr(cfg, "sat_draft_path", None) or getattr(args, "sat_draft_path", None)
+    if draft_path:
+        from fairseq_ext.sat.speculative import build_speculative  # speculative.py builds on this module
+
+        speedups = draft_speedups or getattr(cfg, "sat_draft_speedups", "") or ""
+        gen = build_speculative(task, models, draft_path, speedups, **opts)
+        logger.info(f"SAT generator: speculative greedy search, verifier {type(models[0]).__name__} (K=1), drafter "
+                    f"K={gen.K} ({draft_path}; encoder {'shared' if gen.shares_encoder else 'its own'}); "
+                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else "decoder steps: lean, cached length per row"))
+        return gen
+    gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
                 f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: {kernels_in_use(gen, beam)}")
     return gen

@@ -232,14 +232,19 @@ class SATModel(TransformerModel):
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
         """fairseq's hub interface; ``.translate()``/``.generate()`` use the semi-autoregressive generator
-        even when the checkpoint was trained with ``--task translation``."""
+        even when the checkpoint was trained with ``--task translation`` (a fairseq ``transformer`` checkpoint too).
+        ``sat_draft_path=SAT.pt`` (and ``sat_draft_speedups``): lossless speculative greedy decoding of the loaded
+        model with that drafter (:mod:`fairseq_ext.sat.speculative`)."""
         import functools
 
         from fairseq_ext.sat.generator import build_sat_generator
 
+        draft = {k[4:]: kwargs.pop(k) for k in ("sat_draft_path", "sat_draft_speedups") if kwargs.get(k)}
         hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-        if not getattr(hub.task, "builds_sat_generator", False):
-            hub.task.build_generator = functools.partial(build_sat_generator, hub.task)
+        if not getattr(hub.task, "builds_sat_generator", False) or draft:
+            build = hub.task.build_generator if getattr(hub.task, "builds_sat_generator", False) else \
+                functools.partial(build_sat_generator, hub.task)
+            hub.task.build_generator = functools.partial(build, **draft)
         return hub
 
     @staticmethod
