@@ -461,24 +461,51 @@ def rows_step(decoder, tokens: Tensor, lengths: List[int], encoder_out, incremen
     n_max = max(lengths)
     uniform = min(lengths) == n_max
     dev = tokens.device
-    starts = torch.tensor(lengths, device=dev).view(B, 1)
-    new = starts + torch.arange(T, device=dev)  # [B, T] the positions of the call
-    positions = None
-    table = _position_table(decoder) if decoder.embed_positions is not None else None
-    if table is not None:
-        positions = table[(new + decoder.embed_positions.padding_idx + 1).clamp_(max=table.size(0) - 1)]
-    x = embed_decoder_input(decoder, tokens, positions)
     keys = n_max + T
-    mask: Optional[Tensor] = None
-    if not uniform or T > group:  # key j is visible to the query at offset t when j <= the query's last key
+    positions: Optional[Tensor] = None
+    table = _position_table(decoder) if decoder.embed_positions is not None else None
+    first = decoder.embed_positions.padding_idx + 1 if table is not None else 0
+    if uniform:  # one slice of the table and of a kept mask (T, group): no index tensors
+        if table is not None and first + keys <= table.size(0):
+            positions = table[first + n_max: first + keys].unsqueeze(0).expand(B, -1, -1)
+        elif table is not None:
+            positions = table[(torch.arange(n_max, keys, device=dev) + first).clamp_(max=table.size(0) - 1)]
+            positions = positions.unsqueeze(0).expand(B, -1, -1)
+        mask = None if T <= group else _group_mask(T, group, keys, dev)
+        where = n_max
+    else:
+        starts = torch.tensor(lengths, device=dev).view(B, 1)
+        new = starts + torch.arange(T, device=dev)  # [B, T] the positions of the call
+        if table is not None:
+            positions = table[(new + first).clamp_(max=table.size(0) - 1)]
+        # key j is visible to the query at offset t when j <= that query's last key
         t = torch.arange(T, device=dev)
         last = (starts + torch.where(t >= T - group, T - 1, t)).unsqueeze(2)  # [B, T, 1]
         mask = (torch.arange(keys, device=dev).view(1, 1, keys) <= last).unsqueeze(1)  # [B, 1, T, keys]
-        if uniform:
-            mask = mask[:1]
-    where = lengths[0] if uniform else (torch.arange(B, device=dev).view(B, 1), new)
+        where = (torch.arange(B, device=dev).view(B, 1), new)
+    x = embed_decoder_input(decoder, tokens, positions)
     return _layers(decoder, x, encoder_out, state, mask, lambda i, k, v: _rows_cache(state, i, k, v, where, keys),
                    alignment_heads)
+
+
+_GROUP_MASKS: Dict[Tuple[int, int, str], Tensor] = {}
+_MASK_KEYS = 1024  # keys of a kept mask; longer calls make theirs
+
+
+def _group_mask(T: int, group: int, keys: int, device) -> Tensor:
+    """[1, 1, T, keys] (True: attend) of a call of T new positions after keys - T cached ones, the last ``group``
+    of them seeing each other: the last ``keys`` columns of a mask kept per (T, group), a view."""
+    key = (T, group, str(device))
+    full = _GROUP_MASKS.get(key)
+    if full is None:
+        t = torch.arange(T, device=device)
+        last = _MASK_KEYS - T + torch.where(t >= T - group, T - 1, t)
+        full = _GROUP_MASKS[key] = (torch.arange(_MASK_KEYS, device=device).view(1, -1) <= last.view(-1, 1))
+    if keys > _MASK_KEYS:
+        t = torch.arange(T, device=device)
+        last = keys - T + torch.where(t >= T - group, T - 1, t)
+        return (torch.arange(keys, device=device).view(1, -1) <= last.view(-1, 1)).view(1, 1, T, keys)
+    return full[:, _MASK_KEYS - keys:].view(1, 1, T, keys)
 
 
 def _rows_cache(state, i: int, k: Tensor, v: Tensor, where, keys: int):
