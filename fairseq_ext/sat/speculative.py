@@ -58,6 +58,10 @@ logger = logging.getLogger(__name__)
 # release models (batch 1 and 64) and of the random models of the tests, is below 1e-5
 # (python benchmarks/bench_speculative.py, "noise" line): eps = 1e-3 is 100 times that bound.
 EPS = 1e-3
+# Batches of more sentences are decoded by the verifier alone: checking K + 1 positions per row and drafting them
+# costs more arithmetic than it saves once a call is bound by its arithmetic rather than its fixed cost (batch-64
+# throughput: python benchmarks/bench_speculative.py; --sat-draft-max-batch).
+MAX_BATCH = 8
 
 
 def _state_dict_of(path: str):
@@ -173,8 +177,9 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
     every sentence is decoded by the verifier alone through the K = 1 greedy search (its own step where the lean
     one cannot run), said once in the log."""
 
-    def __init__(self, models, drafter, tgt_dict, eps: float = EPS, **kwargs):
+    def __init__(self, models, drafter, tgt_dict, eps: float = EPS, max_batch: int = MAX_BATCH, **kwargs):
         super().__init__(models, tgt_dict, **kwargs)
+        self.max_batch = int(max_batch)
         if self.group_size != 1:
             raise FairseqExtError(f"--sat-draft-path: --path must be the autoregressive verifier (a transformer or a "
                                   f"sat_transformer with K=1); this one has K={self.group_size}")
@@ -191,7 +196,8 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
         self._transposed: Dict[tuple, Tensor] = {}
         self._lean = bool(kwargs.get("lean_step", True))
         self._said = False
-        self.stats = dict(sentences=0, verifier_calls=0, drafter_calls=0, drafted=0, accepted=0, fallbacks=0)
+        self.stats = dict(sentences=0, verifier_calls=0, drafter_calls=0, drafted=0, accepted=0, fallbacks=0,
+                          sentences_alone=0)
         self.record = None  # a list: (sentence id, step, constrained log-probabilities) of each decided position
 
     def refusal(self) -> Optional[str]:
@@ -211,6 +217,9 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
         allows it, else the verifier alone."""
         why = self.refusal()
         if why is None:
+            if sample["net_input"]["src_tokens"].size(0) > self.max_batch:  # compute-bound: the verifier alone
+                self.stats["sentences_alone"] += sample["net_input"]["src_tokens"].size(0)
+                return super()._greedy_search(sample, bos_token)
             return self._speculative_search(sample, bos_token)
         if not self._said:
             logger.warning(f"--sat-draft-path: no drafts ({why}); the verifier decodes alone through the K=1 "
@@ -385,7 +394,8 @@ def _put(buf: Tensor, first: List[int], values: Tensor) -> None:
     buf.scatter_(buf.dim() - 1, index.expand(*values.shape), values)
 
 
-def build_speculative(task, models, draft_path: str, speedups: str = "", **kwargs) -> SpeculativeSATGenerator:
+def build_speculative(task, models, draft_path: str, speedups: str = "", max_batch: int = MAX_BATCH,
+                      **kwargs) -> SpeculativeSATGenerator:
     """The speculative generator of ``build_sat_generator`` (``--sat-draft-path``; ``--sat-draft-speedups``: the
     opt-in speed-ups of :mod:`fairseq_ext.inference.speedups` for the drafter alone)."""
     if kwargs.get("beam_size", 1) != 1:
@@ -396,4 +406,4 @@ def build_speculative(task, models, draft_path: str, speedups: str = "", **kwarg
         from fairseq_ext.inference.speedups import apply_speedups
 
         apply_speedups(drafter, speedups, flag="--sat-draft-speedups")
-    return SpeculativeSATGenerator(models, drafter, task.target_dictionary, **kwargs)
+    return SpeculativeSATGenerator(models, drafter, task.target_dictionary, max_batch=max_batch, **kwargs)

@@ -60,6 +60,10 @@ class TranslationSATConfig(TranslationConfig):
                           "own K) and --path, the autoregressive verifier (transformer, or sat_transformer with K=1), "
                           "checks them in one call; the output is the verifier's greedy output "
                           "(fairseq_ext/sat/speculative.py). --beam 1 only"})
+    sat_draft_max_batch: int = field(
+        default=8,
+        metadata={"help": "with --sat-draft-path: batches of more sentences are decoded by the verifier alone (the same "
+                          "output; speculation pays while a call costs its fixed overhead, not its arithmetic)"})
     sat_draft_speedups: str = field(
         default="",
         metadata={"help": "with --sat-draft-path: speed-ups of --inference-speedups for the drafter alone (int8 ones "

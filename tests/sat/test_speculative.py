@@ -236,6 +236,17 @@ def test_without_the_lean_step_the_verifier_decodes_alone(caplog):
     assert any("no drafts (--no-lean-step); the verifier decodes alone" in r.message for r in caplog.records)
 
 
+def test_batches_over_max_batch_are_decoded_by_the_verifier_alone():
+    v, d = sat_model(1, seed=1), sat_model(2, seed=2)
+    sample = _batch(5, 6, seed=3)
+    ref = SATSequenceGenerator([v], DICT, beam_size=1, max_len_b=7).generate([v], sample)
+    gen = SpeculativeSATGenerator([v], d, DICT, beam_size=1, max_len_b=7, max_batch=4)
+    _same(ref, gen.generate([v], sample), "batch 5 over 4", atol=0)
+    assert gen.stats["verifier_calls"] == 0 and gen.stats["sentences_alone"] == 5
+    gen.generate([v], _batch(4, 6, seed=3))
+    assert gen.stats["verifier_calls"] > 0 and gen.stats["sentences"] == 4
+
+
 def test_refusals_in_one_line():
     v, d = sat_model(1, seed=1), sat_model(2, seed=2)
     with pytest.raises(FairseqExtError, match="decodes greedily .*use --beam 1"):
@@ -294,7 +305,7 @@ def _positional(stdout):
 def test_cli_generate_and_interactive_print_the_verifiers_output(trained):
     alone = _cli("generate", trained, "--batch-size", "16", "--gen-subset", "valid").stdout
     spec = _cli("generate", trained, "--batch-size", "16", "--gen-subset", "valid",
-                "--sat-draft-path", trained["drafter"])
+                "--sat-draft-path", trained["drafter"], "--sat-draft-max-batch", "16")
     assert "speculative greedy search" in spec.stderr and "encoder shared" in spec.stderr
     ha, hs = hypotheses(alone), hypotheses(spec.stdout)
     assert len(ha) == 80 and [t for _, (_, t) in sorted(ha.items())] == [t for _, (_, t) in sorted(hs.items())]
