@@ -365,3 +365,38 @@ def test_hub_decodes_with_the_drafter(trained):
     v, d = (checkpoint_utils.load_checkpoint_to_cpu(trained[k])["model"] for k in ("verifier", "drafter"))
     assert all(torch.equal(v[k], d[k]) for k in v if k.startswith("encoder."))
     assert not torch.equal(v["decoder.layers.0.fc1.weight"], d["decoder.layers.0.fc1.weight"])
+
+
+# -- the trained Bible models on every Acts test verse -------------------------------------------------------------
+
+RELEASE = os.path.join(ROOT, "releases", "bible-de-en")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The Acts test set (data/bible-de-en) encoded with the release's BPE and binarised with its dictionary."""
+    if not os.path.isfile(os.path.join(RELEASE, "sat_transformer_k2.pt")):
+        pytest.skip("no releases/bible-de-en/sat_transformer_k2.pt")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_speculative import acts_test_bin
+
+    return acts_test_bin(str(tmp_path_factory.mktemp("acts")))
+
+
+def test_every_acts_test_verse_is_the_release_transformers_greedy_output(data):
+    """The release transformer as verifier, its greedy-distilled SAT K=2 as drafter: fairseq-generate prints the
+    same 1,003 translations (batch 64), with the verifier's scores."""
+    common = [data, "--user-dir", USER_DIR, "--task", "translation_sat", "--path", os.path.join(RELEASE, "transformer.pt"),
+              "--gen-subset", "test", "--beam", "1", "--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "64",
+              "--num-workers", "0", "--source-lang", "de", "--target-lang", "en"]
+    env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    alone = run_cli("generate", common, env=env, timeout=1800).stdout
+    spec = run_cli("generate", common + ["--sat-draft-path", os.path.join(RELEASE, "sat_transformer_k2.pt"),
+                                         "--sat-draft-max-batch", "64"], env=env, timeout=1800).stdout
+    ha, hs = hypotheses(alone), hypotheses(spec)
+    assert len(ha) == len(hs) == 1003
+    differ = [i for i in ha if ha[i][1] != hs[i][1]]
+    assert differ == [], f"{len(differ)} verses differ, e.g. {differ[:5]}"
+    assert max(abs(ha[i][0] - hs[i][0]) for i in ha) <= 1e-4
+    pa, ps = _positional(alone), _positional(spec)  # printed to 4 decimals: one unit of the last apart
+    assert max(max(abs(x - y) for x, y in zip(pa[i], ps[i])) for i in pa) <= 1.01e-4
