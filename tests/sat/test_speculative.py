@@ -400,3 +400,38 @@ def test_every_acts_test_verse_is_the_release_transformers_greedy_output(data):
     assert max(abs(ha[i][0] - hs[i][0]) for i in ha) <= 1e-4
     pa, ps = _positional(alone), _positional(spec)  # printed to 4 decimals: one unit of the last apart
     assert max(max(abs(x - y) for x, y in zip(pa[i], ps[i])) for i in pa) <= 1.01e-4
+
+
+@pytest.mark.slow
+def test_train_drafter_smoke_packs_a_release(tmp_path):
+    """tools/train_drafter.py --smoke on the bundled corpus with a copy of the release: every step (data with the
+    release's BPE and dictionary, greedy distillation of 1/50 of the training set, 20 updates from the verifier
+    with its encoder frozen, acceptance on valid, packing) and a manifest entry that records how it was made."""
+    if not os.path.isfile(os.path.join(RELEASE, "transformer.pt")):
+        pytest.skip("no releases/bible-de-en/transformer.pt")
+    rel = tmp_path / "release"
+    rel.mkdir()
+    for f in ("transformer.pt", "dict.txt", "spm.model", "MANIFEST.json"):
+        shutil.copyfile(os.path.join(RELEASE, f), rel / f)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_drafter.py"), "--verifier",
+                           str(rel / "transformer.pt"), "--k", "2", "--decoder-layers", "1", "--init-decoder",
+                           "--freeze-encoder", "--smoke", "--workdir", str(tmp_path / "work"), "--pack", "sat_drafter"],
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert re.search(r"train_drafter: K=2, 1 decoder layer\(s\), 20 updates: [0-9.]+ accepted drafts per verifier "
+                     r"call on 20 valid sentences \(20 identical", proc.stdout), proc.stdout[-2000:]
+    from fairseq_ext.release import read_manifest, verify
+
+    entry = read_manifest(str(rel))["models"]["sat_drafter"]
+    assert entry["updates_trained"] == 20 and entry["threads"] == 1 and entry["command"].startswith(
+        "python tools/train_drafter.py --verifier")
+    assert re.match(r"[0-9a-f]{40}", entry["code_commit"]) and entry["valid_acceptance"]["shares_encoder"]
+    assert entry["valid_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert read_manifest(str(rel))["models"]["transformer"] == read_manifest(RELEASE)["models"]["transformer"]
+    path = verify(str(rel), "sat_drafter")
+    out = run_cli("interactive", [str(tmp_path / "work" / "bin"), "--user-dir", USER_DIR, "--task", "translation_sat",
+                              "--path", str(rel / "transformer.pt"), "--sat-draft-path", path, "--beam", "1",
+                              "--bpe", "sentencepiece", "--sentencepiece-model", str(rel / "spm.model"),
+                              "--source-lang", "de", "--target-lang", "en", "--num-workers", "0"],
+                  input="Fürchtet euch nicht, denn der Herr ist mit euch.\n", env={"OMP_NUM_THREADS": "1"})
+    assert "encoder shared" in out.stderr and re.search(r"^D-0\t\S+\t.*Lord", out.stdout, re.M), out.stdout
