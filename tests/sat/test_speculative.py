@@ -435,3 +435,20 @@ def test_train_drafter_smoke_packs_a_release(tmp_path):
                               "--source-lang", "de", "--target-lang", "en", "--num-workers", "0"],
                   input="Fürchtet euch nicht, denn der Herr ist mit euch.\n", env={"OMP_NUM_THREADS": "1"})
     assert "encoder shared" in out.stderr and re.search(r"^D-0\t\S+\t.*Lord", out.stdout, re.M), out.stdout
+
+
+def test_recipe_dry_run_prints_every_step(tmp_path):
+    """recipes/sat/speculative.sh --dry-run: the drafter's training, both decodes (the second with
+    --sat-draft-path), the comparison and the benchmark, in order; nothing is written."""
+    work = tmp_path / "work"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "recipes", "sat", "speculative.sh"), "--dry-run", "--workdir",
+                           str(work), "--k", "3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not work.exists()
+    cmds = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
+    assert "tools/train_drafter.py" in cmds[0] and "--k 3" in cmds[0] and "--freeze-encoder" in cmds[0]
+    gens = [c for c in cmds if c.startswith("fairseq-generate")]
+    assert len(gens) == 2 and "--sat-draft-path" not in gens[0]
+    assert f"--sat-draft-path {work}/drafter/checkpoints/checkpoint_avg.pt" in gens[1]
+    assert all("--beam 1" in g and "--gen-subset test" in g for g in gens)
+    assert "bench_speculative.py" in cmds[-1]
