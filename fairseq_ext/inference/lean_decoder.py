@@ -471,7 +471,6 @@ def rows_step(decoder, tokens: Tensor, lengths: List[int], encoder_out, incremen
         elif table is not None:
             positions = table[(torch.arange(n_max, keys, device=dev) + first).clamp_(max=table.size(0) - 1)]
             positions = positions.unsqueeze(0).expand(B, -1, -1)
-        mask = None if T <= group else _group_mask(T, group, keys, dev)
         where = n_max
     else:
         starts = torch.tensor(lengths, device=dev).view(B, 1)
@@ -484,27 +483,32 @@ def rows_step(decoder, tokens: Tensor, lengths: List[int], encoder_out, incremen
         mask = (torch.arange(keys, device=dev).view(1, 1, keys) <= last).unsqueeze(1)  # [B, 1, T, keys]
         where = (torch.arange(B, device=dev).view(B, 1), new)
     x = embed_decoder_input(decoder, tokens, positions)
+    if uniform:
+        mask = None if T <= group else _group_mask(T, group, keys, x)
     return _layers(decoder, x, encoder_out, state, mask, lambda i, k, v: _rows_cache(state, i, k, v, where, keys),
                    alignment_heads)
 
 
-_GROUP_MASKS: Dict[Tuple[int, int, str], Tensor] = {}
+_GROUP_MASKS: Dict[Tuple[int, int, str, torch.dtype], Tensor] = {}
 _MASK_KEYS = 1024  # keys of a kept mask; longer calls make theirs
 
 
-def _group_mask(T: int, group: int, keys: int, device) -> Tensor:
-    """[1, 1, T, keys] (True: attend) of a call of T new positions after keys - T cached ones, the last ``group``
-    of them seeing each other: the last ``keys`` columns of a mask kept per (T, group), a view."""
-    key = (T, group, str(device))
+def _group_mask(T: int, group: int, keys: int, like: Tensor) -> Tensor:
+    """The additive mask [1, 1, T, keys] (0 / -inf) of a call of T new positions after keys - T cached ones, the
+    last ``group`` of them seeing each other: the last ``keys`` columns of a mask kept per (T, group), a view (a
+    boolean mask costs the attention a conversion per call)."""
+    def make(width):
+        t = torch.arange(T, device=like.device)
+        last = width - T + torch.where(t >= T - group, T - 1, t)
+        hidden = torch.arange(width, device=like.device).view(1, -1) > last.view(-1, 1)
+        return torch.zeros(T, width, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+
+    if keys > _MASK_KEYS:
+        return make(keys).view(1, 1, T, keys)
+    key = (T, group, str(like.device), like.dtype)
     full = _GROUP_MASKS.get(key)
     if full is None:
-        t = torch.arange(T, device=device)
-        last = _MASK_KEYS - T + torch.where(t >= T - group, T - 1, t)
-        full = _GROUP_MASKS[key] = (torch.arange(_MASK_KEYS, device=device).view(1, -1) <= last.view(-1, 1))
-    if keys > _MASK_KEYS:
-        t = torch.arange(T, device=device)
-        last = keys - T + torch.where(t >= T - group, T - 1, t)
-        return (torch.arange(keys, device=device).view(1, -1) <= last.view(-1, 1)).view(1, 1, T, keys)
+        full = _GROUP_MASKS[key] = make(_MASK_KEYS)
     return full[:, _MASK_KEYS - keys:].view(1, 1, T, keys)
 
 
