@@ -84,6 +84,11 @@ def parse_args(argv=None):
     p.add_argument("--noise-sentences", type=int, default=200)
     p.add_argument("--no-ct2", action="store_true")
     p.add_argument("--no-throughput", action="store_true")
+    p.add_argument("--throughput-sentences", type=int, default=None, help="verses of the batch runs (default all)")
+    p.add_argument("--sweep", type=int, nargs="*", default=[], metavar="B",
+                   help="throughput of the first drafter against greedy at these batch sizes (speculation forced; "
+                        "--sweep-sentences verses): where --sat-draft-max-batch should be")
+    p.add_argument("--sweep-sentences", type=int, default=256)
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -151,7 +156,7 @@ def main(argv=None):
     import fairseq_ext  # noqa: F401
     from fairseq import checkpoint_utils
     from fairseq_ext.sat.generator import SATSequenceGenerator
-    from fairseq_ext.sat.speculative import EPS, SpeculativeSATGenerator, load_drafter
+    from fairseq_ext.sat.speculative import EPS, MAX_BATCH, SpeculativeSATGenerator, load_drafter
     from fairseq_ext.inference.speedups import apply_speedups
     from bench_sat_contenders import Contender, ct2_convert
 
@@ -225,27 +230,46 @@ def main(argv=None):
                                    fallbacks=st["fallbacks"], verifier_calls=st["verifier_calls"])
 
     # -- batch B ------------------------------------------------------------------------------------------------
+    order = sorted(range(len(ds)), key=lambda i: (items[i]["source"].numel(), i))
+
+    def throughput(gen, batch, count):
+        """Sentences per second of ``gen`` over the first ``count`` verses by length, batches of ``batch``."""
+        batches = [ds.collater([items[i] for i in order[b: min(b + batch, count)]]) for b in range(0, count, batch)]
+        gen.generate([verifier], batches[0])  # warm-up
+        res, t0 = {}, time.perf_counter()
+        for b in batches:
+            for sid, h in zip(b["id"].tolist(), gen.generate([verifier], b)):
+                res[sid] = h[0]["tokens"].tolist()
+        return count / (time.perf_counter() - t0), res
+
+    n_batch = min(len(ds), args.throughput_sentences or len(ds))
     if not args.no_throughput:
-        order = sorted(range(len(ds)), key=lambda i: (items[i]["source"].numel(), i))
-        batches = [ds.collater([items[i] for i in order[b: b + args.batch]]) for b in range(0, len(ds), args.batch)]
         outs = {}
         for c in cs:
             if c.family == "ct2":
                 continue
             gen = c.make_gen(1)
-            gen.generate([verifier], batches[0])  # warm-up
-            t0 = time.perf_counter()
-            res = {}
-            for b in batches:
-                for sid, h in zip(b["id"].tolist(), gen.generate([verifier], b)):
-                    res[sid] = h[0]["tokens"].tolist()
-            dt = time.perf_counter() - t0
-            outs[c.name] = res
-            results[c.name]["batch_sentences_per_s"] = len(ds) / dt
+            limit = getattr(gen, "max_batch", None)
+            if limit is not None:  # speculation forced at this batch size (the default decodes alone over it)
+                gen.max_batch = args.batch
+            results[c.name]["batch_sentences_per_s"], outs[c.name] = throughput(gen, args.batch, n_batch)
+            if limit is not None:
+                gen.max_batch = limit
         for name in outs:
             results[name]["batch_identical"] = sum(int(outs[name][i] == outs["greedy K=1"][i]) for i in outs[name])
             results[name]["batch_speedup"] = (results[name]["batch_sentences_per_s"]
                                               / results["greedy K=1"]["batch_sentences_per_s"])
+    sweep = {}
+    if args.sweep and spec_gens:  # where speculation stops paying: throughput against greedy by batch size
+        label, gen = next(iter(spec_gens.items()))
+        greedy = cs[0].make_gen(1)
+        count = min(len(ds), args.sweep_sentences)
+        for batch in args.sweep:
+            gen.max_batch = batch
+            g = throughput(greedy, batch, count)[0]
+            sp = throughput(gen, batch, count)[0]
+            sweep[batch] = (g, sp)
+        gen.max_batch = MAX_BATCH
 
     # -- noise --------------------------------------------------------------------------------------------------
     worst = {}
@@ -267,19 +291,25 @@ def main(argv=None):
                  if "accepted_per_call" in r else "")
         print(f"{c.name:46s} {r['ms_per_sentence']:11.2f} {r['speedup']:8.2f}x {r['identical']:5d}/{n:<4d} {extra}")
     if not args.no_throughput:
-        print(f"\nbatch {args.batch}: sentences per second over the {len(ds)} verses")
+        print(f"\nbatch {args.batch}: sentences per second over {n_batch} verses")
         for name, r in results.items():
             if "batch_sentences_per_s" in r:
                 print(f"{name:46s} {r['batch_sentences_per_s']:9.1f}/s {r['batch_speedup']:6.2f}x "
-                      f"identical {r['batch_identical']}/{len(ds)}")
+                      f"identical {r['batch_identical']}/{n_batch}")
+    if not args.no_throughput:
+        print(f"(speculation forced at batch {args.batch}; by default batches over {MAX_BATCH} sentences are decoded "
+              f"by the verifier alone)")
+    for batch, (g, sp) in sweep.items():
+        print(f"batch {batch:3d}: greedy {g:7.1f}/s, speculative {sp:7.1f}/s ({sp / g:.2f}x)")
     for batch, (w, count) in worst.items():
         print(f"noise (batch {batch}): largest |difference| {w:.2e} over {count} decided positions; eps {EPS:g} "
               f"({EPS / max(w, 1e-30):.0f} times it)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "noise": {str(b): w for b, w in worst.items()}, "sentences": n,
+                       "sweep": {str(b): v for b, v in sweep.items()},
                        "threads": args.threads, "batch": args.batch, "load": [load_before, load_after]}, f, indent=1)
-    differ = any(r["identical"] < n or r.get("batch_identical", len(ds)) < len(ds)
+    differ = any(r["identical"] < n or r.get("batch_identical", n_batch) < n_batch
                  for name, r in results.items() if name.startswith("speculative"))
     return 1 if differ else 0
 
