@@ -565,10 +565,13 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         from fairseq_ext.sat.speculative import build_speculative  # speculative.py builds on this module
 
         speedups = draft_speedups or getattr(cfg, "sat_draft_speedups", "") or ""
-        gen = build_speculative(task, models, draft_path, speedups, getattr(cfg, "sat_draft_max_batch", 8), **opts)
+        max_batch = getattr(cfg, "sat_draft_max_batch", None)
+        gen = build_speculative(task, models, draft_path, speedups, **opts,
+                                **({} if max_batch is None else {"max_batch": max_batch}))
         logger.info(f"SAT generator: speculative greedy search, verifier {type(models[0]).__name__} (K=1), drafter "
                     f"K={gen.K} ({draft_path}; encoder {'shared' if gen.shares_encoder else 'its own'}); "
-                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else "decoder steps: lean, cached length per row"))
+                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else
+                       f"decoder steps: lean, cached length per row; batches over {gen.max_batch} decoded alone"))
         return gen
     gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "

@@ -31,6 +31,7 @@ from fairseq_ext.building import RecordsCheckpointBuild
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import build_sat_generator
+from fairseq_ext.sat.speculative import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +62,10 @@ class TranslationSATConfig(TranslationConfig):
                           "checks them in one call; the output is the verifier's greedy output "
                           "(fairseq_ext/sat/speculative.py). --beam 1 only"})
     sat_draft_max_batch: int = field(
-        default=8,
-        metadata={"help": "with --sat-draft-path: batches of more sentences are decoded by the verifier alone (the same "
-                          "output; speculation pays while a call costs its fixed overhead, not its arithmetic)"})
+        default=MAX_BATCH,
+        metadata={"help": "with --sat-draft-path: batches of more sentences are decoded by the verifier alone "
+                          "(the same output; speculation pays while a call costs its fixed overhead rather than its "
+                          "arithmetic: python benchmarks/bench_speculative.py --sweep)"})
     sat_draft_speedups: str = field(
         default="",
         metadata={"help": "with --sat-draft-path: speed-ups of --inference-speedups for the drafter alone (int8 ones "

@@ -64,7 +64,7 @@ def _same(ref, out, what, atol=1e-4):
 def _decode_both(verifier, drafter, sample, eps=EPS, **opts):
     opts = dict(beam_size=1, **opts)
     ref = SATSequenceGenerator([verifier], DICT, **opts).generate([verifier], sample)
-    gen = SpeculativeSATGenerator([verifier], drafter, DICT, eps=eps, **opts)
+    gen = SpeculativeSATGenerator([verifier], drafter, DICT, eps=eps, max_batch=64, **opts)  # ragged batches too
     return ref, gen.generate([verifier], sample), gen
 
 
@@ -204,7 +204,7 @@ def test_numeric_difference_from_the_one_position_step_is_far_below_eps():
     lengths) differs from the verifier's one-position step along the same prefix by far less than eps / 2."""
     v, d = _transformer(3), sat_model(3, seed=12)
     sample = _batch(4, 7, seed=4)
-    gen = SpeculativeSATGenerator([v], d, DICT, beam_size=1, max_len_b=10)
+    gen = SpeculativeSATGenerator([v], d, DICT, beam_size=1, max_len_b=10, max_batch=4)
     gen.record = []
     out = gen.generate([v], sample)
     worst = 0.0
@@ -387,7 +387,8 @@ def data(tmp_path_factory):
 def test_every_acts_test_verse_is_the_release_transformers_greedy_output(data):
     """The release transformer as verifier, its greedy-distilled SAT K=2 as drafter: fairseq-generate prints the
     same 1,003 translations (batch 64), with the verifier's scores."""
-    common = [data, "--user-dir", USER_DIR, "--task", "translation_sat", "--path", os.path.join(RELEASE, "transformer.pt"),
+    common = [data, "--user-dir", USER_DIR, "--task", "translation_sat",
+              "--path", os.path.join(RELEASE, "transformer.pt"),
               "--gen-subset", "test", "--beam", "1", "--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "64",
               "--num-workers", "0", "--source-lang", "de", "--target-lang", "en"]
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -410,9 +411,11 @@ def test_bench_speculative_runs_and_reports_every_figure(data, tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_speculative.py"), "--workdir",
                            os.path.dirname(data), "--sentences", "6", "--block", "3", "--batch", "4",
-                           "--throughput-sentences", "16", "--noise-sentences", "4", "--sweep", "2", "--sweep-sentences", "8", "--no-ct2",
+                           "--throughput-sentences", "16", "--noise-sentences", "4", "--sweep", "2",
+                           "--sweep-sentences", "8", "--no-ct2",
                            "--drafter", f"k2={os.path.join(RELEASE, 'sat_transformer_k2.pt')}", "--json", str(out)],
-                          capture_output=True, text=True, timeout=1200, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
     spec = res["results"]["speculative k2 (K=2)"]
@@ -436,7 +439,8 @@ def test_train_drafter_smoke_packs_a_release(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_drafter.py"), "--verifier",
                            str(rel / "transformer.pt"), "--k", "2", "--decoder-layers", "1", "--init-decoder",
                            "--freeze-encoder", "--smoke", "--workdir", str(tmp_path / "work"), "--pack", "sat_drafter"],
-                          capture_output=True, text=True, timeout=1800, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          capture_output=True, text=True, timeout=1800, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"train_drafter: K=2, 1 decoder layer\(s\), 20 updates: [0-9.]+ accepted drafts per verifier "
                      r"call on 20 valid sentences \(20 identical", proc.stdout), proc.stdout[-2000:]
