@@ -113,6 +113,7 @@ def noise(spec_gen, verifier, samples, batch):
     from fairseq_ext.inference.lean_decoder import lean_step
 
     worst, count = 0.0, 0
+    limit, spec_gen.max_batch = spec_gen.max_batch, batch  # speculation at this batch size
     for first in range(0, len(samples), batch):
         group = samples[first: first + batch]
         sample = collate(group)
@@ -138,6 +139,7 @@ def noise(spec_gen, verifier, samples, batch):
                     both = lp.isfinite() & got.isfinite()
                     worst = max(worst, float((lp[both] - got[both]).abs().max()))
                     count += 1
+    spec_gen.max_batch = limit
     return worst, count
 
 

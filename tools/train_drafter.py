@@ -194,7 +194,8 @@ def acceptance(args, kd_bin, avg, src, tgt):
         a, b = ref.generate([verifier], sample), spec.generate([verifier], sample)
         same += int(torch.equal(a[0][0]["tokens"], b[0][0]["tokens"]))
     st = spec.stats
-    out = {"valid_sentences": n, "identical": same, "accepted_per_call": round(st["accepted"] / st["verifier_calls"], 3),
+    out = {"valid_sentences": n, "identical": same,
+           "accepted_per_call": round(st["accepted"] / st["verifier_calls"], 3),
            "words_per_call": round((st["accepted"] + st["verifier_calls"]) / st["verifier_calls"], 3),
            "fallbacks": st["fallbacks"], "shares_encoder": spec.shares_encoder}
     out.update(drafter_bleu(args, ds, drafter, task.target_dictionary, tgt, opts))
@@ -273,7 +274,8 @@ def main(argv=None):
                 "valid_bleu": acc.pop("valid_bleu", None), "valid_signature": acc.pop("valid_signature", None),
                 "wall_seconds": round(wall), "cpu_seconds": round(cpu),
                 "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}", "valid_acceptance": acc,
-                "summary": f"SAT drafter K={args.k} ({args.decoder_layers} decoder layers) distilled greedily from "
+                "summary": f"SAT drafter K={args.k} ({args.decoder_layers} decoder "
+                           f"layer{'s' if args.decoder_layers != 1 else ''}) distilled greedily from "
                            f"and initialised by {os.path.basename(args.verifier)}, {updates} updates on "
                            f"{args.threads} thread(s) by tools/train_drafter.py; {acc['accepted_per_call']} accepted "
                            f"drafts per verifier call on valid"}
