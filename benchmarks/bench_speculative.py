@@ -89,6 +89,8 @@ def parse_args(argv=None):
                    help="throughput of the first drafter against greedy at these batch sizes (speculation forced; "
                         "--sweep-sentences verses): where --sat-draft-max-batch should be")
     p.add_argument("--sweep-sentences", type=int, default=256)
+    p.add_argument("--parts", action="store_true", help="ms of one decoder call per kind (the first drafter): why "
+                                                         "a speculative step costs what it costs")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -141,6 +143,39 @@ def noise(spec_gen, verifier, samples, batch):
                     count += 1
     spec_gen.max_batch = limit
     return worst, count
+
+
+def parts(spec_gen, verifier, sample, repeat=300):
+    """Milliseconds of one decoder call with its output projection, at batch 1 after 20 cached positions: the
+    verifier's one-position step (what the greedy search calls per word), the verifier over K + 1 positions and the
+    drafter over K (what the speculative search calls per step), each timed warm, one after the other."""
+    import torch
+
+    from fairseq_ext.inference.lean_decoder import cut_back, lean_step, rows_step
+
+    K, drafter = spec_gen.K, spec_gen.drafter
+    out = {}
+    with torch.inference_mode():
+        enc = verifier.encoder(sample["net_input"]["src_tokens"], src_lengths=sample["net_input"]["src_lengths"])
+        words = torch.full((1, 24 + K), 7)
+        cases = [("verifier, 1 position (greedy)", verifier, 1, lambda st: (lean_step(
+                     verifier.decoder, words[:, :21], enc, st)[0], verifier.decoder.output_layer)),
+                 (f"verifier, {K + 1} positions", verifier, K + 1, lambda st: (rows_step(
+                     verifier.decoder, words[:, 20: 21 + K], [20], enc, st)[0], None)),
+                 (f"drafter, {K} positions", drafter, K, lambda st: (rows_step(
+                     drafter.decoder, words[:, 20: 20 + K], [20], enc, st, group=K)[0], None))]
+        for label, model, T, call in cases:
+            st = {}
+            rows_step(model.decoder, words[:, :20], [0], enc, st)
+            h, proj = call(st)
+            project = proj or (lambda x, m=model: spec_gen._output(m.decoder, x))
+            t0 = time.perf_counter()
+            for _ in range(repeat):
+                cut_back(model.decoder, st, 20)
+                h, _ = call(st)
+                project(h)
+            out[label] = 1000 * (time.perf_counter() - t0) / repeat
+    return out
 
 
 _DATASET = None
@@ -273,6 +308,10 @@ def main(argv=None):
             sweep[batch] = (g, sp)
         gen.max_batch = MAX_BATCH
 
+    calls = {}
+    if args.parts and spec_gens:
+        calls = parts(next(iter(spec_gens.values())), verifier, singles[min(5, n - 1)])
+
     # -- noise --------------------------------------------------------------------------------------------------
     worst = {}
     if spec_gens and args.noise_sentences:
@@ -303,13 +342,16 @@ def main(argv=None):
               f"by the verifier alone)")
     for batch, (g, sp) in sweep.items():
         print(f"batch {batch:3d}: greedy {g:7.1f}/s, speculative {sp:7.1f}/s ({sp / g:.2f}x)")
+    for label, ms in calls.items():
+        print(f"one call ({label}, with its output projection): {ms:.3f} ms "
+              f"({ms / calls['verifier, 1 position (greedy)']:.2f}x the greedy one)")
     for batch, (w, count) in worst.items():
         print(f"noise (batch {batch}): largest |difference| {w:.2e} over {count} decided positions; eps {EPS:g} "
               f"({EPS / max(w, 1e-30):.0f} times it)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"results": results, "noise": {str(b): w for b, w in worst.items()}, "sentences": n,
-                       "sweep": {str(b): v for b, v in sweep.items()},
+                       "sweep": {str(b): v for b, v in sweep.items()}, "parts_ms": calls,
                        "threads": args.threads, "batch": args.batch, "load": [load_before, load_after]}, f, indent=1)
     differ = any(r["identical"] < n or r.get("batch_identical", n_batch) < n_batch
                  for name, r in results.items() if name.startswith("speculative"))
