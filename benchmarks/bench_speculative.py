@@ -175,6 +175,16 @@ def parts(spec_gen, verifier, sample, repeat=300):
                 h, _ = call(st)
                 project(h)
             out[label] = 1000 * (time.perf_counter() - t0) / repeat
+        # the products inside: the verifier's output projection and first feed-forward layer, 1 row against K + 1
+        for name, lin in (("output projection", verifier.decoder.output_projection),
+                          ("feed-forward fc1", verifier.decoder.layers[0].fc1)):
+            for rows in (1, K + 1):
+                x = torch.randn(rows, lin.in_features)
+                lin(x)
+                t0 = time.perf_counter()
+                for _ in range(repeat):
+                    lin(x)
+                out[f"{name}, {rows} row{'s' if rows > 1 else ''}"] = 1000 * (time.perf_counter() - t0) / repeat
     return out
 
 
@@ -343,8 +353,12 @@ def main(argv=None):
     for batch, (g, sp) in sweep.items():
         print(f"batch {batch:3d}: greedy {g:7.1f}/s, speculative {sp:7.1f}/s ({sp / g:.2f}x)")
     for label, ms in calls.items():
-        print(f"one call ({label}, with its output projection): {ms:.3f} ms "
-              f"({ms / calls['verifier, 1 position (greedy)']:.2f}x the greedy one)")
+        if "row" in label:
+            one = calls[label.rsplit(",", 1)[0] + ", 1 row"]
+            print(f"product ({label}): {ms:.3f} ms ({ms / one:.2f}x one row)")
+        else:
+            print(f"one call ({label}, with its output projection): {ms:.3f} ms "
+                  f"({ms / calls['verifier, 1 position (greedy)']:.2f}x the greedy one)")
     for batch, (w, count) in worst.items():
         print(f"noise (batch {batch}): largest |difference| {w:.2e} over {count} decided positions; eps {EPS:g} "
               f"({EPS / max(w, 1e-30):.0f} times it)")
