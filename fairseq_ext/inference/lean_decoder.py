@@ -40,6 +40,11 @@ fairseq's (large key/value buffers into a spare buffer kept for the next reorder
 equal the plain model's except at near-ties (``tests/inference/``: incremental == full pass within 1e-5,
 reorders with permutations, same hypotheses as the plain model).
 
+Speculative decoding (``fairseq_ext/sat/speculative.py``) needs two more things of the state: :func:`rows_step`, a call
+whose rows have cached lengths of their own (each row's new keys and values written at its own positions, its keys
+masked per row), and :func:`cut_back`, which cuts the cache back to fewer positions by shortening the views of the
+preallocated buffers (no copy; the next call writes over the rest).
+
 Decoders the lean step refuses, with one line (:func:`lean_refusal`; the SAT generator decodes them through their
 own step): no declaration (MSC, BERT-JAM), layers with cross-self-attention, NormFormer's extra norms or scaled
 residuals (``attn_ln``, ``ffn_layernorm``, ``c_attn``, ``w_resid``), ``bias_k`` / zero attention, no encoder
@@ -352,7 +357,13 @@ def lean_step(decoder, prev_output_tokens: Tensor, encoder_out, incremental_stat
     if T > K:  # several groups at once: rows n..slen-1 of the relaxed causal mask (K = 1: the causal mask)
         own = getattr(decoder, "incremental_self_attn_mask", None)
         mask = own(n, slen, x) if own is not None else causal_mask(n, slen, x)
+    return _layers(decoder, x, encoder_out, state, mask, lambda i, k, v: _lean_cache(state, i, k, v, n),
+                   alignment_heads)
 
+
+def _layers(decoder, x: Tensor, encoder_out, state, mask: Optional[Tensor], cache, alignment_heads: Optional[int]):
+    """The decoder's layers over the embedded new positions x [T, B, C]: self-attention under ``mask`` over the
+    keys and values ``cache(layer, k, v)`` returns, encoder-decoder attention, feed-forward; fairseq's output."""
     enc = encoder_out["encoder_out"][0] if encoder_out and len(encoder_out["encoder_out"]) > 0 else None
     if enc is None:
         raise FairseqExtError("lean_decoder: the decoder was called without an encoder output")
@@ -373,7 +384,7 @@ def lean_step(decoder, prev_output_tokens: Tensor, encoder_out, incremental_stat
         # self-attention over the cache and the new positions
         residual = x
         h = layer.self_attn_layer_norm(x) if nb else x
-        x = residual + self_attention(sa, h, mask, lambda k, v: _lean_cache(state, i, k, v, n))
+        x = residual + self_attention(sa, h, mask, lambda k, v, i=i: cache(i, k, v))
         if not nb:
             x = layer.self_attn_layer_norm(x)
         # encoder-decoder attention: the source keys and values projected on the first step
@@ -413,6 +424,141 @@ def _lean_cache(state, i: int, k: Tensor, v: Tensor, n: int):
         state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, view
         out.append(view)
     return out
+
+
+# -- a cached length per row, and cutting a cache back (speculative decoding: fairseq_ext/sat/speculative.py) ------
+def _position_table(decoder) -> Optional[Tensor]:
+    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+    ep = decoder.embed_positions
+    if isinstance(ep, SinusoidalPositionalEmbedding):
+        return ep.weights
+    return ep.weight if isinstance(ep, LearnedPositionalEmbedding) else None
+
+
+def rows_refusal(decoder) -> Optional[str]:
+    """Why :func:`rows_step` does not compute ``decoder``'s step exactly (one line), or None."""
+    why = lean_refusal(decoder)
+    if why is None and decoder.embed_positions is not None and _position_table(decoder) is None:
+        why = (f"lean_decoder: the positional embeddings {type(decoder.embed_positions).__name__} are neither "
+               f"fairseq's learned nor its sinusoidal ones")
+    return why
+
+
+def rows_step(decoder, tokens: Tensor, lengths: List[int], encoder_out, incremental_state, group: int = 1,
+              alignment_heads: Optional[int] = None):
+    """The lean step with a cached length per row: the T inputs ``tokens[r]`` of row r sit at positions
+    lengths[r]..lengths[r]+T-1, their keys and values are written there in the preallocated buffers (over what a
+    cache cut back by :func:`cut_back` held beyond lengths[r]), and each new position attends the row's cached
+    positions 0..lengths[r]-1 and the call's new positions up to itself, except that the call's last ``group``
+    positions see each other (a SAT group; ``group=1``: causal, an autoregressive decoder). Returns what
+    :func:`lean_step` returns for the T new positions. A call whose rows share one length attends as
+    :func:`lean_step` does (no mask for a single group); other calls mask each row's keys. Positional embeddings
+    past the table's end take its last row (a search never reads such a position: it ends at --max-len). The
+    state is :func:`lean_step`'s: the key and value views end at the longest row."""
+    state: Dict[str, Optional[Tensor]] = incremental_state.setdefault(STATE_KEY, {})
+    B, T = tokens.shape
+    n_max = max(lengths)
+    uniform = min(lengths) == n_max
+    dev = tokens.device
+    keys = n_max + T
+    positions: Optional[Tensor] = None
+    table = _position_table(decoder) if decoder.embed_positions is not None else None
+    first = decoder.embed_positions.padding_idx + 1 if table is not None else 0
+    if uniform:  # one slice of the table and of a kept mask (T, group): no index tensors
+        if table is not None and first + keys <= table.size(0):
+            positions = table[first + n_max: first + keys].unsqueeze(0).expand(B, -1, -1)
+        elif table is not None:
+            positions = table[(torch.arange(n_max, keys, device=dev) + first).clamp_(max=table.size(0) - 1)]
+            positions = positions.unsqueeze(0).expand(B, -1, -1)
+        where = n_max
+    else:
+        starts = torch.tensor(lengths, device=dev).view(B, 1)
+        new = starts + torch.arange(T, device=dev)  # [B, T] the positions of the call
+        if table is not None:
+            positions = table[(new + first).clamp_(max=table.size(0) - 1)]
+        # key j is visible to the query at offset t when j <= that query's last key
+        t = torch.arange(T, device=dev)
+        last = (starts + torch.where(t >= T - group, T - 1, t)).unsqueeze(2)  # [B, T, 1]
+        mask = (torch.arange(keys, device=dev).view(1, 1, keys) <= last).unsqueeze(1)  # [B, 1, T, keys]
+        where = (torch.arange(B, device=dev).view(B, 1), new)
+    x = embed_decoder_input(decoder, tokens, positions)
+    if uniform:
+        mask = None if T <= group else _group_mask(T, group, keys, x)
+    return _layers(decoder, x, encoder_out, state, mask, lambda i, k, v: _rows_cache(state, i, k, v, where, keys),
+                   alignment_heads)
+
+
+_GROUP_MASKS: Dict[Tuple[int, int, str, torch.dtype], Tensor] = {}
+_MASK_KEYS = 1024  # keys of a kept mask; longer calls make theirs
+
+
+def _group_mask(T: int, group: int, keys: int, like: Tensor) -> Tensor:
+    """The additive mask [1, 1, T, keys] (0 / -inf) of a call of T new positions after keys - T cached ones, the
+    last ``group`` of them seeing each other: the last ``keys`` columns of a mask kept per (T, group), a view (a
+    boolean mask costs the attention a conversion per call)."""
+    def make(width):
+        t = torch.arange(T, device=like.device)
+        last = width - T + torch.where(t >= T - group, T - 1, t)
+        hidden = torch.arange(width, device=like.device).view(1, -1) > last.view(-1, 1)
+        return torch.zeros(T, width, dtype=like.dtype, device=like.device).masked_fill_(hidden, float("-inf"))
+
+    if keys > _MASK_KEYS:
+        return make(keys).view(1, 1, T, keys)
+    key = (T, group, str(like.device), like.dtype)
+    full = _GROUP_MASKS.get(key)
+    if full is None:
+        full = _GROUP_MASKS[key] = make(_MASK_KEYS)
+    return full[:, _MASK_KEYS - keys:].view(1, 1, T, keys)
+
+
+def _rows_cache(state, i: int, k: Tensor, v: Tensor, where, keys: int):
+    """Writes the new keys / values [B, H, T, d] of layer i at one position for all rows (``where`` an int) or at
+    each row's own (``where`` = (row index [B, 1], positions [B, T])); returns the views of positions 0..keys-1."""
+    out = []
+    B, H, T, d = k.shape
+    for name, new in (("k", k), ("v", v)):
+        buf, old = state.get(f"{name}buf{i}"), state.get(f"{name}{i}")
+        if buf is None or buf.size(0) != B or keys > buf.size(2):
+            # zeros: a row's masked keys and values beyond its own positions are read (with weight 0: finite only)
+            grown = new.new_zeros(B, H, max(CACHE_BLOCK, 2 * keys), d)
+            if old is not None and old.size(0) == B:
+                kept = min(old.size(2), keys)
+                grown[:, :, :kept] = old[:, :, :kept]
+            buf = grown
+        if isinstance(where, int):
+            buf[:, :, where: where + T] = new
+        else:
+            buf[where[0], :, where[1]] = new.transpose(1, 2)
+        state[f"{name}buf{i}"], state[f"{name}{i}"] = buf, buf[:, :, :keys]
+        out.append(state[f"{name}{i}"])
+    return out
+
+
+def reorder_rows_state(decoder, incremental_state, order: Tensor) -> None:
+    """The state of :func:`rows_step` follows ``order`` (rows of the batch): whole buffers are selected, so that
+    every position a row may read masked stays finite (:func:`reorder_lean_state` copies the cached positions
+    only)."""
+    state = incremental_state[STATE_KEY]
+    _reorder_sources(decoder, state, order)
+    for i in range(decoder.num_layers):
+        for name in ("k", "v"):
+            if state.get(f"{name}buf{i}") is not None:
+                n = state[f"{name}{i}"].size(2)
+                state[f"{name}buf{i}"] = state[f"{name}buf{i}"].index_select(0, order)
+                state[f"{name}{i}"] = state[f"{name}buf{i}"][:, :, :n]
+
+
+def cut_back(decoder, incremental_state, length: int) -> None:
+    """The lean state's cached keys and values end at position ``length`` (exclusive): a length change of the views
+    of the preallocated buffers, nothing copied; the positions beyond are written over by the next call
+    (:func:`lean_step` at ``length``, or :func:`rows_step`)."""
+    state = incremental_state[STATE_KEY]
+    for i in range(decoder.num_layers):
+        for name in ("k", "v"):
+            buf = state.get(f"{name}buf{i}")
+            if buf is not None:
+                state[f"{name}{i}"] = buf[:, :, :length]
 
 
 def only_lean_state(incremental_state) -> bool:

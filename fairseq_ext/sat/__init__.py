@@ -13,6 +13,8 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
     search_kernels.py  two parts of the search in C (``kernels/search_kernels.c``): the log-softmax read as its
                     B best words and EOS, and the enumerated group step
     task.py         ``--task translation_sat``: fairseq's translation task with that generator
+    speculative.py  ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of an autoregressive verifier
+                    with a SAT drafter
     distill.py      ``python -m fairseq_ext.sat.distill``: a distilled training set from fairseq-generate output
     position_ce.py  ``python -m fairseq_ext.sat.position_ce``: cross-entropy by target position (Figure 6)
 

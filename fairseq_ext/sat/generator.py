@@ -213,6 +213,12 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             eos_lp[:, : self.min_len - step] = -math.inf
         return vals, words, eos_lp
 
+    def _top_only_now(self) -> bool:
+        """Whether this search reads the log-softmax through the kernel: a float32 model on the CPU and
+        ``reads_top_only`` (looked up, and the library built, only here: a search that cannot use it never builds
+        it)."""
+        return float32_on_cpu(self.model.single_model.decoder) and self.reads_top_only
+
     def _reorder(self, state, encoder_outs, rows: Tensor):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
         (the lean step keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
@@ -279,7 +285,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         alive: List[int] = list(range(bsz))  # row -> sentence
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         k_index = torch.arange(K, device=tokens.device)
-        top_only = self.reads_top_only
+        top_only = self._top_only_now()
         for step in range(0, n_steps, K):
             x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
                                                     normalize=not top_only)
@@ -344,7 +350,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         cands = self._rank_tuples(B, K, dev) if K > 1 or self._group_step_in_c(B, dev) else None
         enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
         group_step = self._enumerated_group if enumerate_ else self._pruned_group
-        top_only = self.reads_top_only
+        top_only = self._top_only_now()
         for step in range(0, n_steps, K):
             n = len(sents)
             x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
@@ -427,7 +433,9 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     ``lean_step`` and without --unkpen, token suppression or --no-repeat-ngram-size, the search reads each row's
     log-softmax through its kernel (the B best words and EOS, ~1 ulp from PyTorch's; ``reads_top_only``), and
     the enumerated group step runs in one C call with the same numbers as its PyTorch ops
-    (``native_group_step``; then K = 1 takes the enumeration too). Both attributes may be set to False.
+    (``native_group_step``; then K = 1 takes the enumeration too). Both attributes may be set to False; they are
+    looked up (and the library built) when a search of a float32 CPU model first needs them, so a greedy decode
+    with ``--no-lean-step`` or a model on another device or dtype never builds it.
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
@@ -443,12 +451,13 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         if type(self.search) is not search.BeamSearch:
             raise FairseqExtError("translation_sat supports beam search and greedy search only")
         self.left_pad_target = False
-        # the search reads the log-softmax through fairseq_ext.search_kernels where nothing else needs the row
-        self.reads_top_only = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
-                               and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model)
-                               and search_kernels.top_refusal() is None)
-        # the enumerated group step in one C call where the kernel library runs here (same numbers)
-        self.native_group_step = search_kernels.refusal() is None
+        # the search reads the log-softmax through fairseq_ext.search_kernels where nothing else needs the row, and
+        # runs the enumerated group step in one C call where the library runs here (same numbers); whether the
+        # library runs (built with the C compiler on first use) is looked up when a CPU search first needs it
+        self._top_only_wanted = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
+                                 and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model))
+        self._reads_top_only: Optional[bool] = None
+        self._native_group_step: Optional[bool] = None
         self.print_alignment = print_alignment
         self._reorder_modules = None
         if print_alignment == "soft":
@@ -461,6 +470,30 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     def uses_lean_step(self) -> bool:
         """Whether decoder calls take the lean step now (see the class docstring)."""
         return self.model.uses_lean_step
+
+    @property
+    def reads_top_only(self) -> bool:
+        """Whether a CPU float32 search reads each row's log-softmax through :func:`search_kernels.log_softmax_top`
+        (evaluated on first read: the library is built then; may be set)."""
+        if self._reads_top_only is None:
+            self._reads_top_only = self._top_only_wanted and search_kernels.top_refusal() is None
+        return self._reads_top_only
+
+    @reads_top_only.setter
+    def reads_top_only(self, value: bool):
+        self._reads_top_only = bool(value)
+
+    @property
+    def native_group_step(self) -> bool:
+        """Whether a CPU beam search runs the enumerated group step in C (evaluated on first read: the library is
+        built then; may be set)."""
+        if self._native_group_step is None:
+            self._native_group_step = search_kernels.refusal() is None
+        return self._native_group_step
+
+    @native_group_step.setter
+    def native_group_step(self, value: bool):
+        self._native_group_step = bool(value)
 
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
         if kwargs.get("prefix_tokens") is not None:
@@ -480,9 +513,11 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
 
 
 def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
-                        prefix_allowed_tokens_fn=None, **unused):
+                        prefix_allowed_tokens_fn=None, draft_path: Optional[str] = None,
+                        draft_speedups: Optional[str] = None, **unused):
     """The semi-autoregressive generator for ``models`` (one SAT or transformer model) and generation
-    options ``args`` (fairseq's GenerationConfig or a Namespace)."""
+    options ``args`` (fairseq's GenerationConfig or a Namespace); with a drafter (``draft_path``, else the task's
+    ``--sat-draft-path``) the speculative greedy search of :mod:`fairseq_ext.sat.speculative`."""
     if getattr(args, "score_reference", False):
         return TranslationTask.build_generator(task, models, args)
     unsupported = [
@@ -511,9 +546,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
         raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    gen = SATSequenceGenerator(
-        models,
-        task.target_dictionary,
+    opts = dict(
         print_alignment=getattr(args, "print_alignment", None) or None,
         lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
         beam_size=beam,
@@ -526,9 +559,33 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         temperature=getattr(args, "temperature", 1.0),
         no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
     )
-    why = search_kernels.top_refusal()
+    cfg = getattr(task, "cfg", None)
+    draft_path = draft_path or getattr(cfg, "sat_draft_path", None) or getattr(args, "sat_draft_path", None)
+    if draft_path:
+        from fairseq_ext.sat.speculative import build_speculative  # speculative.py builds on this module
+
+        speedups = draft_speedups or getattr(cfg, "sat_draft_speedups", "") or ""
+        max_batch = getattr(cfg, "sat_draft_max_batch", None)
+        gen = build_speculative(task, models, draft_path, speedups, **opts,
+                                **({} if max_batch is None else {"max_batch": max_batch}))
+        logger.info(f"SAT generator: speculative greedy search, verifier {type(models[0]).__name__} (K=1), drafter "
+                    f"K={gen.K} ({draft_path}; encoder {'shared' if gen.shares_encoder else 'its own'}); "
+                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else
+                       f"decoder steps: lean, cached length per row; batches over {gen.max_batch} decoded alone"))
+        return gen
+    gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
-                f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: log-softmax top B "
-                f"{'yes' if gen.reads_top_only else 'no'}, group step {'yes' if gen.native_group_step else 'no'}"
-                + (f" ({why})" if why else ""))
+                f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: {kernels_in_use(gen, beam)}")
     return gen
+
+
+def kernels_in_use(gen, beam: int) -> str:
+    """What the log line says of the search kernels; looks them up (and builds the library) only where the search
+    will use them: a float32 model on the CPU, the group step for a beam."""
+    if not float32_on_cpu(gen.model.single_model.decoder):
+        return "not used (the model is not float32 on the CPU)"
+    top = gen.reads_top_only
+    group = beam > 1 and gen.native_group_step
+    why = search_kernels.top_refusal() if gen._top_only_wanted and not top else None
+    return (f"log-softmax top B {'yes' if top else 'no'}, group step "
+            f"{('yes' if group else 'no') if beam > 1 else 'unused (greedy)'}" + (f" ({why})" if why else ""))

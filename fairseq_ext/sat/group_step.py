@@ -96,7 +96,7 @@ class GroupStep:
 
     def _group_step_in_c(self, B: int, device) -> bool:
         """Whether the enumerated step runs as one C call (:func:`fairseq_ext.sat.search_kernels.enumerated_group`)."""
-        return self.native_group_step and device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM
+        return device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM and self.native_group_step
 
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,

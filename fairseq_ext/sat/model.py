@@ -13,6 +13,10 @@ The paper changes only the decoder (Sec. 3, Figure 2):
 
 With K = 1 all three reduce to the Transformer, and this model equals fairseq's ``transformer`` exactly.
 
+``--sat-freeze-encoder`` (with ``--sat-init-from``, not in the paper) keeps the encoder of the initialising
+transformer and trains the decoder alone: a drafter for speculative decoding (:mod:`fairseq_ext.sat.speculative`)
+that reads its verifier's encoder output, so that a sentence is encoded once.
+
 Where the shift lives: :class:`SATDecoder` consumes *SAT decoder inputs* (K start symbols followed by the
 target prefix). :meth:`SATModel.forward` builds them from fairseq's usual ``prev_output_tokens`` (one BOS +
 target shifted by one) with :func:`sat_decoder_input`, so the data pipeline, the batches and the stock
@@ -228,14 +232,19 @@ class SATModel(TransformerModel):
     @classmethod
     def from_pretrained(cls, model_name_or_path, checkpoint_file="model.pt", data_name_or_path=".", **kwargs):
         """fairseq's hub interface; ``.translate()``/``.generate()`` use the semi-autoregressive generator
-        even when the checkpoint was trained with ``--task translation``."""
+        even when the checkpoint was trained with ``--task translation`` (a fairseq ``transformer`` checkpoint too).
+        ``sat_draft_path=SAT.pt`` (and ``sat_draft_speedups``): lossless speculative greedy decoding of the loaded
+        model with that drafter (:mod:`fairseq_ext.sat.speculative`)."""
         import functools
 
         from fairseq_ext.sat.generator import build_sat_generator
 
+        draft = {k[4:]: kwargs.pop(k) for k in ("sat_draft_path", "sat_draft_speedups") if kwargs.get(k)}
         hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
-        if not getattr(hub.task, "builds_sat_generator", False):
-            hub.task.build_generator = functools.partial(build_sat_generator, hub.task)
+        if not getattr(hub.task, "builds_sat_generator", False) or draft:
+            build = hub.task.build_generator if getattr(hub.task, "builds_sat_generator", False) else \
+                functools.partial(build_sat_generator, hub.task)
+            hub.task.build_generator = functools.partial(build, **draft)
         return hub
 
     @staticmethod
@@ -246,6 +255,10 @@ class SATModel(TransformerModel):
         parser.add_argument("--sat-init-from", type=str, metavar="PATH",
                             help="initialise from a trained transformer checkpoint: encoder, word embeddings "
                                  "and pre-softmax weights (Sec. 4.1 'Initialization')")
+        parser.add_argument("--sat-freeze-encoder", action="store_true",
+                            help="with --sat-init-from: keep the encoder (and the embeddings it shares) as initialised "
+                                 "and train the decoder alone, so that a speculative drafter reads its verifier's "
+                                 "encoder output (--sat-draft-path)")
         parser.add_argument("--sat-init-decoder", action="store_true",
                             help="with --sat-init-from, also copy the decoder layers (not done in the paper)")
 
@@ -266,6 +279,12 @@ class SATModel(TransformerModel):
             raise FairseqExtError("sat_transformer needs right-padded targets: remove --left-pad-target")
         model = super().build_model(args, task)
         init_from = getattr(args, "sat_init_from", None)
+        if getattr(args, "sat_freeze_encoder", False):
+            if not init_from and not getattr(args, "sat_initialised_from", None):
+                raise FairseqExtError("--sat-freeze-encoder keeps the encoder of --sat-init-from: give --sat-init-from "
+                                      "TRANSFORMER.pt")
+            for p in model.encoder.parameters():  # fairseq's optimizer takes the parameters that require grad
+                p.requires_grad_(False)
         if init_from:
             # only a new training is initialised: not a model rebuilt from its checkpoint (fairseq_ext.building)
             # nor a training that fairseq-train is about to restore from a checkpoint
@@ -361,6 +380,7 @@ def sat_base_architecture(args):
     args.sat_group_size = getattr(args, "sat_group_size", 2)
     args.sat_init_from = getattr(args, "sat_init_from", None)
     args.sat_init_decoder = getattr(args, "sat_init_decoder", False)
+    args.sat_freeze_encoder = getattr(args, "sat_freeze_encoder", False)
     base_architecture(args)
 
 

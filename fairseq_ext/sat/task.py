@@ -10,6 +10,8 @@ inside the model). What changes:
   honour (sampling, diverse beam search, constraints, prefix tokens, language-model fusion, ensembles) fail
   with one clear line;
 * rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``;
+* ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of the ``--path`` model with that SAT drafter
+  (:mod:`fairseq_ext.sat.speculative`); ``--sat-draft-speedups LIST`` speeds up the drafter alone;
 * ``--inference-speedups LIST`` applies :mod:`fairseq_ext.inference`'s opt-in CPU decoding speed-ups to the
   loaded models before decoding (fairseq-generate, fairseq-interactive);
 * the generator runs the decoder's incremental steps through the lean step of :mod:`fairseq_ext.lean_decoder`
@@ -20,6 +22,7 @@ inside the model). What changes:
 
 import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
@@ -28,6 +31,7 @@ from fairseq_ext.building import RecordsCheckpointBuild
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import build_sat_generator
+from fairseq_ext.sat.speculative import MAX_BATCH
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,21 @@ class TranslationSATConfig(TranslationConfig):
                           "own step is the lean one), and with PyTorch's log-softmax instead of the search "
                           "kernel that reads only the B best words and EOS of each row (fairseq_ext/search_kernels.py,"
                           " ~1 ulp; used without --unkpen where the CPU has AVX-512F)"})
+    sat_draft_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "lossless speculative greedy decoding: this sat_transformer checkpoint drafts K words (its "
+                          "own K) and --path, the autoregressive verifier (transformer, or sat_transformer with K=1), "
+                          "checks them in one call; the output is the verifier's greedy output "
+                          "(fairseq_ext/sat/speculative.py). --beam 1 only"})
+    sat_draft_max_batch: int = field(
+        default=MAX_BATCH,
+        metadata={"help": "with --sat-draft-path: batches of more sentences are decoded by the verifier alone "
+                          "(the same output; speculation pays while a call costs its fixed overhead rather than its "
+                          "arithmetic: python benchmarks/bench_speculative.py --sweep)"})
+    sat_draft_speedups: str = field(
+        default="",
+        metadata={"help": "with --sat-draft-path: speed-ups of --inference-speedups for the drafter alone (int8 ones "
+                          "too: the drafter's arithmetic does not change the output)"})
 
 
 @register_task("translation_sat", dataclass=TranslationSATConfig)
@@ -67,6 +86,12 @@ class TranslationSATTask(RecordsCheckpointBuild, TranslationTask):
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
                         prefix_allowed_tokens_fn=None, **kwargs):
         if self.cfg.inference_speedups:
+            if self.cfg.sat_draft_path:
+                quantised = [n for n in self.cfg.inference_speedups.split(",") if "int8" in n]
+                if quantised:
+                    raise FairseqExtError(
+                        f"--inference-speedups {quantised[0]} quantises the verifier, whose float32 numbers "
+                        f"--sat-draft-path keeps; give it to the drafter with --sat-draft-speedups {quantised[0]}")
             for model in models:
                 if model.training:  # fairseq-train's --eval-bleu generator: the model in training stays as it is
                     logger.warning("--inference-speedups is for decoding; not applied to a model in training")
@@ -74,4 +99,5 @@ class TranslationSATTask(RecordsCheckpointBuild, TranslationTask):
                 apply_speedups(model, self.cfg.inference_speedups, flag="--inference-speedups")
         return build_sat_generator(self, models, args, seq_gen_cls=seq_gen_cls,
                                    extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+                                   prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+                                   draft_path=kwargs.get("draft_path"), draft_speedups=kwargs.get("draft_speedups"))

@@ -321,3 +321,29 @@ def test_a_compiler_that_hangs_leaves_the_generator_on_pytorchs_ops(monkeypatch,
     assert not gen.reads_top_only and not gen.native_group_step
     _same_hypos(gen.generate([m], _sample(src, src_lengths)), want, "after a compiler that hangs")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_decode_that_cannot_use_the_kernels_never_builds_them(monkeypatch):
+    """The library is built when a CPU search first needs it: never for a greedy decode with --no-lean-step, nor
+    for a greedy decode of a model that is not float32 on the CPU (a bfloat16 model here: the check a GPU model
+    fails too); a beam asks for the C group step on a CPU device only."""
+    from fairseq_ext.inference import native
+
+    built = []
+    _forget_the_library(monkeypatch)
+    monkeypatch.setattr(native, "build", lambda *a, **k: built.append(a) or (_ for _ in ()).throw(AssertionError))
+    m = sat_model(2, seed=5)
+    src, src_lengths, _, _ = _batch(bsz=2, src_len=6, seed=2)
+    sample = _sample(src, src_lengths)
+    opts = dict(max_len_a=0, max_len_b=8, min_len=2)
+    SATSequenceGenerator([m], DICT, beam_size=1, lean_step=False, **opts).generate([m], sample)
+    half = sat_model(2, seed=5).to(torch.bfloat16)
+    gen = SATSequenceGenerator([half], DICT, beam_size=1, **opts)
+    gen.generate([half], sample)
+    assert not SATSequenceGenerator([m], DICT, beam_size=3, **opts)._group_step_in_c(3, torch.device("cuda"))
+    assert built == [] and search_kernels.LIBRARY.why is None
+    # a float32 CPU search looks it up (here the builder is the one that refuses)
+    gen = SATSequenceGenerator([m], DICT, beam_size=1, **opts)
+    with pytest.raises(AssertionError):
+        gen.generate([m], sample)
+    assert len(built) == 1
