@@ -24,7 +24,6 @@ Writes ``DIR/degradation.json`` and prints a table.
 import argparse
 import json
 import logging
-import math
 import os
 import random
 import re
@@ -103,6 +102,46 @@ def last_train_loss(log):
     return loss
 
 
+def _write_and_plot(args, results, variants):
+    os.makedirs(args.workdir, exist_ok=True)
+    with open(os.path.join(args.workdir, "degradation.json"), "w") as f:
+        json.dump(dict(settings=vars(args), results=results), f, indent=1)
+    print(f"\n| variant | depth | params | final train loss | train BLEU ({args.sample} pairs) | valid BLEU |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['variant']} | {r['depth']} | {r['params']} | {r['train_loss']} | {r['train_bleu']} | "
+              f"{r['valid_bleu']} |")
+    if args.plot:
+        plot(results, variants, args.plot)
+
+
+def score_checkpoints(args):
+    """--checkpoints: the scoring and figure of a degradation run for models trained elsewhere."""
+    results, variants = [], []
+    for item in args.checkpoints.split(","):
+        name, _, path = item.partition("=")
+        m = re.fullmatch(r"([A-Za-z_-]+?)(\d+)", name.strip())
+        if not m or not path:
+            raise FairseqExtError(f"--checkpoints: {item!r} is not VARIANTDEPTH=PATH (e.g. pre24=checkpoint.pt)")
+        if not os.path.isfile(path):
+            raise FairseqExtError(f"--checkpoints: {path}: no such file")
+        variant, depth = m.group(1), int(m.group(2))
+        if variant not in variants:
+            variants.append(variant)
+        train_bleu, n = sample_bleu(path, args, "train", args.sample, args.seed)
+        valid_bleu, _ = sample_bleu(path, args, "valid", args.sample, args.seed)
+        from fairseq_ext.checkpoint_io import load_checkpoint_file
+
+        state = load_checkpoint_file(path)
+        params = sum(v.numel() for v in state["model"].values() if hasattr(v, "numel"))
+        row = dict(variant=variant, depth=depth, train_bleu=round(train_bleu, 2), valid_bleu=round(valid_bleu, 2),
+                   train_loss=None, params=params, sampled=n, checkpoint=path)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    _write_and_plot(args, results, variants)
+    return 0
+
+
 @command
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -130,7 +169,11 @@ def main(argv=None):
     p.add_argument("--cpu", action="store_true", help="train and decode on CPU even if CUDA is there")
     p.add_argument("--plot", help="write Figure 2 (training BLEU against depth) to this image")
     p.add_argument("--dry-run", action="store_true", help="print the training commands only")
+    p.add_argument("--checkpoints", help="score these trained models instead of training: a comma list of "
+                   "VARIANTDEPTH=PATH (e.g. pre24=ckpt.pt,msc24=ckpt2.pt; benchmarks/claims.py --paper msc)")
     args = p.parse_args(argv)
+    if args.checkpoints:
+        return score_checkpoints(args)
     depths, variants = _checked(args)
     results = []
     for depth in depths:
@@ -145,16 +188,7 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
     if args.dry_run:
         return 0
-    os.makedirs(args.workdir, exist_ok=True)
-    with open(os.path.join(args.workdir, "degradation.json"), "w") as f:
-        json.dump(dict(settings=vars(args), results=results), f, indent=1)
-    print(f"\n| variant | depth | params | final train loss | train BLEU ({args.sample} pairs) | valid BLEU |")
-    print("|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['variant']} | {r['depth']} | {r['params']} | {r['train_loss']} | {r['train_bleu']} | "
-              f"{r['valid_bleu']} |")
-    if args.plot:
-        plot(results, variants, args.plot)
+    _write_and_plot(args, results, variants)
     return 0
 
 
@@ -205,13 +239,14 @@ def plot(results, variants, path):
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for variant in variants:
-        rs = [r for r in results if r["variant"] == variant]
-        ax.plot([r["depth"] for r in rs], [r["train_bleu"] for r in rs], marker="o", label=f"{variant} train")
+        rs = sorted((r for r in results if r["variant"] == variant), key=lambda r: r["depth"])
+        line = ax.plot([r["depth"] for r in rs], [r["train_bleu"] for r in rs], marker="o",
+                       label=f"{variant} train")[0]
         ax.plot([r["depth"] for r in rs], [r["valid_bleu"] for r in rs], marker="x", linestyle="--",
-                label=f"{variant} valid")
+                color=line.get_color(), label=f"{variant} valid")
     ax.set_xlabel("encoder layers")
     ax.set_ylabel("BLEU")
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")

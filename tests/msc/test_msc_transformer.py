@@ -850,3 +850,27 @@ def test_degradation_training_set_bleu(trained):
     assert n == 20 and 0.0 <= bleu <= 100.0
     bleu2, n2 = msc_degradation.sample_bleu(os.path.join(data, "checkpoint_last.pt"), args, "train", 20, 1)
     assert (bleu2, n2) == (bleu, n)  # same sample, same model: same score
+
+
+def test_degradation_scores_given_checkpoints(trained, tmp_path, capsys):
+    """--checkpoints scores models trained elsewhere (benchmarks/claims.py --paper msc): one row per VARIANTDEPTH,
+    the same BLEU as sample_bleu, the table and figure written; a malformed item or a missing file is one line."""
+    from fairseq_ext.msc import degradation as msc_degradation
+
+    data, _ = trained
+    ckpt = os.path.join(data, "checkpoint_last.pt")
+    work, png = str(tmp_path / "deg"), str(tmp_path / "fig2.png")
+    argv = [data, "--src", "in", "--tgt", "out", "--workdir", work, "--sample", "20", "--beam", "2", "--cpu",
+            "--remove-bpe", "none", "--checkpoints", f"msc6={ckpt},pre12={ckpt}", "--plot", png]
+    assert msc_degradation.main(argv) == 0
+    rows = json.load(open(os.path.join(work, "degradation.json")))["results"]
+    assert [(r["variant"], r["depth"], r["sampled"]) for r in rows] == [("msc", 6, 20), ("pre", 12, 20)]
+    args = argparse.Namespace(data=data, cpu=True, beam=2, batch_size=64, remove_bpe="none")
+    bleu, _ = msc_degradation.sample_bleu(ckpt, args, "train", 20, 1)
+    assert rows[0]["train_bleu"] == rows[1]["train_bleu"] == round(bleu, 2)
+    assert os.path.getsize(png) > 0
+    capsys.readouterr()
+    assert msc_degradation.main(argv[:-4] + ["--checkpoints", "msc=" + ckpt]) == 1
+    assert "is not VARIANTDEPTH=PATH" in capsys.readouterr().err
+    assert msc_degradation.main(argv[:-4] + ["--checkpoints", "msc6=/no/such.pt"]) == 1
+    assert "/no/such.pt: no such file" in capsys.readouterr().err
