@@ -1,0 +1,128 @@
+"""benchmarks/claims.py: the job scheduler (dependency order, resuming, re-running what changed, one-line failures)
+and the report (CLAIMS.md sections replaced per paper, claims.json verdicts, the SAT ratios computed from results)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import claims  # noqa: E402
+import claims_report  # noqa: E402
+import claims_sat  # noqa: E402
+from claims_jobs import ClaimsError, Job, Scheduler  # noqa: E402
+
+
+def _jobs(S, ran, settings_b=1):
+    def make(name):
+        def run(job, S):
+            ran.append(name)
+            return {"value": name + "".join(S.result(d)["value"] for d in job.deps)}
+        return run
+
+    S.add(Job("a", make("a"), {"x": 1}))
+    S.add(Job("b", make("b"), {"x": settings_b}, ["a"]))
+    S.add(Job("c", make("c"), {"x": 1}, ["b"]))
+    S.add(Job("d", make("d"), {"x": 1}, ["a"]))
+
+
+def test_scheduler_runs_in_order_and_resumes_only_what_changed(tmp_path):
+    ran = []
+    S = Scheduler(str(tmp_path), jobs=2, say=lambda m: None)
+    _jobs(S, ran)
+    S.run_all()
+    assert sorted(ran) == ["a", "b", "c", "d"] and ran.index("a") < ran.index("b") < ran.index("c")
+    assert S.result("c")["value"] == "cba" and S.result("c")["ok"]
+    ran.clear()
+    S = Scheduler(str(tmp_path), jobs=2, say=lambda m: None)
+    _jobs(S, ran)
+    S.run_all()
+    assert ran == [] and S.result("c")["value"] == "cba"  # everything finished earlier: read back
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    _jobs(S, ran, settings_b=2)
+    S.run_all(["c"])
+    assert ran == ["b", "c"]  # b's settings changed: b and what depends on it, not a, and d was not asked for
+
+
+def test_a_failed_step_is_one_line_naming_its_log_and_keeps_what_finished(tmp_path):
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    S.add(Job("ok", lambda j, S: {"v": 1}, {}))
+    S.add(Job("bad", lambda j, S: 1 / 0, {}, ["ok"]))
+    with pytest.raises(ClaimsError) as e:
+        S.run_all()
+    assert "bad: ZeroDivisionError" in str(e.value) and "bad.error" in str(e.value) and "\n" not in str(e.value)
+    assert json.load(open(S.result_path("ok")))["ok"] and not os.path.exists(S.result_path("bad"))
+    S2 = Scheduler(str(tmp_path), say=lambda m: None)
+    S2.add(Job("x", lambda j, S: {}, {}, ["missing"]))
+    with pytest.raises(ClaimsError, match="no step named missing"):
+        S2.run_all()
+
+
+def test_report_replaces_one_papers_section_and_keeps_the_others(tmp_path):
+    d = str(tmp_path)
+    claims_report.write(d, "sat", "## SAT\nfirst", {"verdict": "not reproduced", "reason": "r1"})
+    claims_report.write(d, "msc", "## MSC\nonly", {"verdict": "reproduced", "reason": "r2"})
+    claims_report.write(d, "sat", "## SAT\nsecond", {"verdict": "reproduced", "reason": "r3"})
+    md = open(os.path.join(d, "CLAIMS.md")).read()
+    assert md.startswith("# The papers' claims") and "first" not in md and md.count("## SAT\nsecond") == 1
+    assert md.index("## SAT") < md.index("## MSC") and "## MSC\nonly" in md
+    rec = json.load(open(os.path.join(d, "claims.json")))
+    assert (rec["sat"]["verdict"], rec["sat"]["reason"], rec["msc"]["verdict"]) == ("reproduced", "r3", "reproduced")
+    for bad in ({"verdict": "works", "reason": "x"}, {"verdict": "reproduced", "reason": ""}):
+        with pytest.raises(ValueError):
+            claims_report.write(d, "sat", "x", bad)
+    assert json.load(open(os.path.join(d, "claims.json"))) == rec  # a refused record changes nothing
+
+
+def test_the_command_a_report_names_has_the_non_default_flags():
+    args, _ = claims.parse_args(["--paper", "sat", "--sat-ks", "1,2", "--workdir", "/tmp/w", "--jobs", "1"])
+    assert claims_report.command(args, "sat") == "python benchmarks/claims.py --paper sat --jobs 1 --sat-ks 1,2"
+
+
+def _bleu(v):
+    sig = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"
+    return {f"bleu_{s}_{d}": v for s in ("valid", "test") for d in ("greedy", "beam4")} | {
+        f"bleu_{s}_{d}_signature": sig for s in ("valid", "test") for d in ("greedy", "beam4")}
+
+
+def _sat_report(tmp_path, bleus):
+    """The SAT report from fabricated results: K -> test/valid BLEU of the distilled student."""
+    args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
+                                 "--workdir", str(tmp_path / "w")])
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    students = [f"sat-k{K}" for K in bleus] + ["sat-k2-init-paper", "sat-k2-nokd", "sat-k4-nokd"]
+    for n in students:
+        K = int(n.split("-")[1][1:])
+        S.results[n] = {"updates": 1000 * K, "minutes": 10.0}
+        S.results[f"{n}-eval"] = _bleu(bleus[K] - (2.0 if n.endswith("nokd") else 0.0))
+    S.results["sat-teacher-eval"] = _bleu(20.0)
+    S.results["sat-kd-beam4"] = {"pairs": 100}
+    S.results["sat-speed"] = {"ms": [{"label": lab, "beam": b, "ms": ms * b} for lab, ms in
+                                     [("teacher, fairseq's generator", 60.0), ("teacher, ours", 30.0),
+                                      ("K=1", 24.0), ("K=2", 12.0), ("K=4", 8.0), ("K=6", 6.0)] for b in (1, 4)]}
+    S.results["sat-fig6"] = {"models": [{"label": "SAT K=2", "by_position_in_group": [2.0, 3.0]}]}
+    S.results["sat-repeats"] = {"files": [{"K": K, "repeats_inside_groups": K, "pairs_inside": 100,
+                                           "repeats_across_groups": 1, "pairs_across": 100} for K in bleus]}
+    png = tmp_path / "w" / "sat_position_ce.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    png.write_bytes(b"\x89PNG")
+    ctx = type("Ctx", (), {"S": S, "args": args})()
+    outcome = {"students": students, "init": "decoder", "lr": 0.003, "pilots": {"sat-pilot-decoder-lr0.003": 9.0}}
+    claims_sat.report(ctx, outcome)
+    docs = tmp_path / "docs"
+    return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
+
+
+def test_sat_report_ratios_and_verdict_follow_the_results(tmp_path):
+    rec, md = _sat_report(tmp_path / "miss", {1: 20.0, 2: 18.0, 4: 15.0, 6: 10.0})
+    assert rec["ratio_to_teacher"] == {"2": 0.9, "4": 0.75, "6": 0.5}
+    assert rec["verdict"] == "not reproduced" and "90% / 75% / 50%" in rec["reason"]
+    assert "+2.00 at K = 2" in rec["reason"]  # distilled minus real-target student, valid beam 4
+    assert "| K=2 | 12.0 | 48.0 | 2.00x | 2.00x | 5.00x | 5.00x | 1.51x |" in md
+    assert (tmp_path / "miss" / "docs" / "claims_sat_position_ce.png").exists()
+    rec, _ = _sat_report(tmp_path / "hit", {1: 20.0, 2: 19.6, 4: 18.8, 6: 17.8})
+    assert rec["verdict"] == "reproduced" and rec["ratio_to_teacher"]["6"] == 0.89
