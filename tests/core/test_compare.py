@@ -119,7 +119,8 @@ def test_results_md_and_figures(smoke):
     res = json.loads((smoke["docs"] / "results.json").read_text())
     for r in res["models"].values():
         assert f"| {r['label']} | {r['direction']} | 16 |" in text
-    assert "smoke mode" in text and "## The papers' claims at this scale" in text
+    assert "smoke mode" in text and "## Numbers (equal wall clock on 2 cores)" in text
+    assert "## The papers' claims\n\nEach paper's own claim is tested" in text and "(CLAIMS.md)" in text
     assert "test sentences scored: 20; De->En also scored against the World English Bible" in text
     assert "distilling the training set for the SAT students took" in text
     assert "**SAT teacher**" in text and "the test set plays no part in the choice" in text
