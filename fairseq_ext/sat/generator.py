@@ -542,6 +542,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         raise FairseqExtError(
             f"--task translation_sat decodes one model, got {len(models)} (--path a.pt:b.pt); average "
             f"checkpoints with python -m fairseq_ext.average_checkpoints instead")
+    _check_decodable(models[0])
     beam = getattr(args, "beam", 5)
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
@@ -577,6 +578,23 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
                 f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: {kernels_in_use(gen, beam)}")
     return gen
+
+
+def _check_decodable(model):
+    """The group search reads a transformer-shaped decoder (a SAT's, or fairseq's transformer as K = 1); any other
+    (fconv's beamable attention, an LSTM) is refused with one line naming the checkpoint and the task that decodes
+    it."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    decoder = getattr(model, "decoder", None)
+    if isinstance(decoder, TransformerDecoderBase):
+        return
+    from fairseq_ext.checkpoint_io import checkpoint_of
+
+    where = checkpoint_of(model) or f"the {type(model).__name__} model"
+    raise FairseqExtError(
+        f"{where}: --task translation_sat decodes a sat_transformer or a fairseq transformer, not a "
+        f"{type(model).__name__} ({type(decoder).__name__}); decode it with --task translation")
 
 
 def kernels_in_use(gen, beam: int) -> str:

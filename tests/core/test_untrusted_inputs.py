@@ -170,6 +170,8 @@ def cli(tmp_path_factory):
         "bert_auto_map": interactive(interactive_args(str(ende), os.path.join(EN_DE, "bert_jam.pt"), "translation_bert",
                                                       "en", "de", EN_DE) + ["--bert-model-name", evil_bert],
                                      "y\nyes\n1\nThe king.\n", {"HF_MODULES_CACHE": str(w / "hf_modules")}),
+        "fconv_sat": interactive(interactive_args(str(d), os.path.join(DE_EN, "fconv_glu.pt"), "translation_sat"),
+                                 "Der Herr.\n"),
         "bert_no_flag": interactive(interactive_args(str(ende), os.path.join(EN_DE, "bert_jam.pt"), "translation_bert",
                                                      "en", "de", EN_DE), "The king.\n"),
     }
@@ -214,6 +216,15 @@ def test_fairseq_ext_native_0_decodes_with_pytorch_and_compiles_nothing(cli):
     log = proc.stdout + proc.stderr
     assert re.search(r"search kernels: .*native code turned off by FAIRSEQ_EXT_NATIVE=0", log), log[-3000:]
     assert not cli["compiled"].exists() and not cli["cache"].exists()
+
+
+# ---------------------------------------------------------------------- 7. a model the SAT generator cannot read
+
+def test_fconv_glu_with_the_sat_task_is_one_line_naming_the_checkpoint_and_the_task(cli):
+    """fconv's beamable attention used to end in a RuntimeError deep in fairseq.modules.beamable_mm."""
+    assert_one_line_error(cli["results"]["fconv_sat"], f"{os.path.join(DE_EN, 'fconv_glu.pt')}: --task "
+                          "translation_sat decodes a sat_transformer or a fairseq transformer, not a FConvGluModel",
+                          "decode it with --task translation")
 
 
 # ----------------------------------------------------------------------------------- 3. damaged checkpoints
