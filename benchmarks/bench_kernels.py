@@ -1,25 +1,24 @@
-"""The kernel choices of the opt-in decoding flags, measured (docs/sat_transformer.md, run I):
+"""The kernel choices of the opt-in decoding flags, measured (parts 5 and 6: docs/sat_transformer.md, "The kernels
+in isolation"):
 
 1. int8 softmax projection (``int8-decoder`` / ``int8-output``): fbgemm (PyTorch's dynamic quantisation) against
    oneDNN's int8 kernel (AMX tiles) by row count, and the kernel that ``Int8RowsLinear`` picks for each;
 2. ``lean-decoder``'s key/value cache reorder after a beam step: a fresh ``index_select`` of the whole buffer
-   (the previous code) against ``reorder_cache`` (the cached positions into a reused spare buffer);
+   (what a small buffer takes) against ``reorder_cache`` (the cached positions into a reused spare buffer);
 3. ``lean-decoder`` with int8 projections: the self-attention's three int8 q/k/v calls against the one call of
    ``fused_qkv`` (checked equal bit for bit);
-4. ``lean-encoder`` (docs/sat_transformer.md, run L): a fairseq transformer encoder (--dim, --ffn, --heads,
-   --layers) on one source of each of --src-lens tokens, fairseq's layers against the lean ones, float32 (largest
-   difference printed) and with int8 projections (``int8-encoder``);
-5. ``amx-int8-decoder`` / ``amx-int8-encoder`` (docs/sat_transformer.md, run M): each product of the model
-   (d x d, the fused 3d x d q/k/v, d x FFN, FFN x d, the V x d softmax projection) by row count, PyTorch's
-   dynamically quantised ``Linear`` (fbgemm) against :class:`fairseq_ext.amx_int8.AmxInt8Linear`, with each one's
-   largest error against the float32 product relative to the output's largest value. Skipped, with a line, where
-   the AMX kernel cannot run;
-6. the SAT generator's search kernels (docs/sat_transformer.md, run P): (a) the log-softmax a beam step reads,
-   PyTorch's path (log-softmax, pad and EOS masked, EOS kept, ``top_b``) against
-   :func:`fairseq_ext.search_kernels.log_softmax_top`, by row count (--search-rows; the words checked equal, the
-   largest value difference printed); (b) the group step of a beam of --beam hypotheses, PyTorch's ops (K = 1: the
-   pruned step, K > 1: the enumeration) against the C step, for K = 1, 2, 4, 6 (checked equal). Skipped, with a
-   line, where the kernels cannot run.
+4. ``lean-encoder``: a fairseq transformer encoder (--dim, --ffn, --heads, --layers) on one source of each of
+   --src-lens tokens, fairseq's layers against the lean ones, float32 (largest difference printed) and with int8
+   projections (``int8-encoder``);
+5. ``amx-int8-decoder`` / ``amx-int8-encoder``: each product of the model (d x d, the fused 3d x d q/k/v, d x FFN,
+   FFN x d, the V x d softmax projection) by row count, PyTorch's dynamically quantised ``Linear`` (fbgemm) against
+   :class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`, with each one's largest error against the float32 product
+   relative to the output's largest value. Skipped, with a line, where the AMX kernel cannot run;
+6. the SAT generator's search kernels: (a) the log-softmax a beam step reads, PyTorch's path (log-softmax, pad and
+   EOS masked, EOS kept, ``top_b``) against :func:`fairseq_ext.sat.search_kernels.log_softmax_top`, by row count
+   (--search-rows; the words checked equal, the largest value difference printed); (b) the group step of a beam of
+   --beam hypotheses, PyTorch's ops (K = 1: the pruned step, K > 1: the enumeration) against the C step, for
+   K = 1, 2, 4, 6 (checked equal). Skipped, with a line, where the kernels cannot run.
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
                                        [--batches 1 16 64] [--beam 4] [--cached 10 30] [--qkv-rows 1 4 16 24]

@@ -1,4 +1,4 @@
-"""SAT decoding speed against its anchors, all measured in one run (issue #4, the paper's Tables 3-5; issue 17).
+"""SAT decoding speed against its anchors, all measured in one run (the paper's Tables 3-5).
 
     python benchmarks/bench_sat.py [--workdir work/bench-sat] [--minutes 8] [--ks 2 4 6] [--sentences 200]
                                    [--threads 1] [--batch 64] [--quantize output] [--baseline-rev REV]
@@ -8,7 +8,7 @@ Contenders, all in this one process, measured interleaved (each sentence / batch
 contender in turn, in a rotating random order) so that the load of the machine affects all alike:
 
 * ``ours K=1``: our generator (:mod:`fairseq_ext.sat.generator`, whatever it holds when this runs: its default
-  lean decoder step and :mod:`fairseq_ext.search_kernels` included; ``--float-opt own-step`` adds the decoder's
+  lean decoder step and :mod:`fairseq_ext.sat.search_kernels` included; ``--float-opt own-step`` adds the decoder's
   own step with PyTorch's log-softmax, i.e. ``--no-lean-step``) on the transformer: the baseline of every
   speed-up; the JSON records each generator's ``decoder_step`` and ``search_kernels``;
 * anchors: (a) fairseq's ``SequenceGenerator`` on the same transformer; (b) the same transformer converted to
@@ -19,9 +19,9 @@ contender in turn, in a rotating random order) so that the load of the machine a
   with that shallow decoder (6+1) for every K;
 * ours SAT K=2/4/6 (3+3);
 * with ``--quantize output|decoder|all|...`` (opt-in, repeatable): our K=1 and SATs after
-  :func:`fairseq_ext.inference.quantize_decoder` (int8 softmax projection / every decoder nn.Linear; 'all':
-  and :func:`~fairseq_ext.inference.quantize_encoder`; 'amx', 'amx-lean': int8 on AMX tiles,
-  :mod:`fairseq_ext.amx_int8`, skipped with a note without AMX; see --help), with
+  :func:`fairseq_ext.inference.speedups.quantize_decoder` (int8 softmax projection / every decoder nn.Linear;
+  'all': and :func:`~fairseq_ext.inference.speedups.quantize_encoder`; 'amx', 'amx-lean': int8 on AMX tiles,
+  :mod:`fairseq_ext.inference.amx_int8`, skipped with a note without AMX; see --help), with
   their agreement with the float hypotheses (and BLEU with trained models);
 * with ``--baseline-rev REV``: our K=1 with ``fairseq_ext/sat/generator.py`` as committed at REV (git), to
   measure what the generator's own changes give (the models are the same).
@@ -42,7 +42,7 @@ Two ways to get models:
    batch --batch on the test set, scored with sacreBLEU.
 
 Prints the table, the speed-ups over our K=1 (for each --quantize variant over its own K=1) checked against
-the targets of issue 17 at batch 1 (greedy 1.5x / 2.7x / 3.4x and beam 4 1.8x / 3.0x / 3.6x for
+the CPU targets at batch 1 (greedy 1.5x / 2.7x / 3.4x and beam 4 1.8x / 3.0x / 3.6x for
 K = 2 / 4 / 6), ours K=1 against fairseq's generator and --baseline-rev, and SAT against CTranslate2.
 ``--json FILE`` writes ``speedup_vs_k1`` ({"greedy": {"2": x, ...}, "beam4": {...}}), ``ms_per_sentence``
 ({contender: {"greedy": ms, "beam4": ms}}) and the details. Timings on a shared machine are noisy: compare
@@ -52,12 +52,12 @@ a target is missed.
 Batch-1 timing: each contender decodes --block consecutive sentences (default 10: a model translating a
 stream of sentences, as fairseq-interactive does, its weights warm in the caches), the contenders in a new
 random order for every block of sentences (so that load changes during the run fall on all of them alike).
-``--block 1`` interleaves the contenders sentence by sentence (runs A-E in docs/sat_transformer.md): every
+``--block 1`` interleaves the contenders sentence by sentence: every
 sentence then starts with the weights of the previous contender in the caches, which costs SAT more than K=1
 (fewer decoder calls share the refill). ``--repeat R`` times every block R times (contenders reshuffled each
 time) and keeps, per contender and sentence, the fastest of the R: load from other work on a shared machine
-only ever adds time, so the minimum is the steadiest estimate (docs/sat_transformer.md, run H: single passes
-moved the beam-4 ratios by up to 13% between consecutive runs).
+only ever adds time, so the minimum is the steadiest estimate (how much single passes move the ratios: the same
+command twice in a row with ``--repeat 1``).
 """
 
 import argparse
@@ -80,11 +80,9 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_sat_contenders import RANDOM_SIZES, Contender, build_random_models, ct2_convert, random_sources  # noqa: E402
 
-# the GPU-style batch-1 speed-ups of issue #4, which benchmarks/compare_report.py quotes next to its own runs
+# the GPU-style batch-1 speed-up targets (not checked here: this benchmark checks CPU_TARGETS below)
 TARGETS = {"greedy": {2: 1.8, 4: 3.2, 6: 4.5}, "beam4": {2: 1.6, 4: 2.6, 6: 3.3}}
-# what this benchmark checks: batch-1, one-thread CPU speed-ups over our own K=1 in the same run (issue 17;
-# set for --random-init --fixed-length 27)
-# --quantize / --float-opt choices -> the fairseq_ext.inference speed-ups they apply (apply_speedups names)
+# --quantize / --float-opt choices -> the fairseq_ext.inference.speedups speed-ups they apply (apply_speedups names)
 INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder",
                  "all-lean": "int8-decoder,int8-encoder,lean-decoder,lean-encoder",
                  "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder",
@@ -92,8 +90,10 @@ INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int
                  "amx-lean": "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"}
 FLOAT_SPEEDUPS = {"prepack": "prepack", "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
                   "lean-decoder": "lean-decoder", "own-step": ""}
+# what this benchmark checks: batch-1, one-thread CPU speed-ups over our own K=1 in the same run (set for
+# --random-init --fixed-length 27)
 CPU_TARGETS = {"greedy": {2: 1.5, 4: 2.7, 6: 3.4}, "beam4": {2: 1.8, 4: 3.0, 6: 3.6}}
-K1_VS_BASELINE_REV = 1.2  # ours K=1 against --baseline-rev's K=1 (issue 17)
+K1_VS_BASELINE_REV = 1.2  # target of ours K=1 against --baseline-rev's K=1
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,20 +125,20 @@ def parse_args(argv=None):
                         "--max-len-a 0; CTranslate2: min/max decoding length): speed at equal output length, "
                         "independent of how well (or badly) the models are trained; BLEU is then meaningless")
     p.add_argument("--quantize", action="append", default=[], choices=list(INT8_SPEEDUPS),
-                   help="also measure our K=1 and SATs after fairseq_ext.inference.quantize_decoder(model, "
+                   help="also measure our K=1 and SATs after fairseq_ext.inference.speedups.quantize_decoder(model, "
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); 'all-lean': 'all' with "
                         "the lean incremental decoder step and encoder layers (fairseq_ext.inference.lean_decoder, "
                         "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; 'amx': every "
-                        "decoder and encoder nn.Linear on AMX int8 tiles (fairseq_ext.amx_int8; skipped with a note "
-                        "where the CPU lacks AMX); 'amx-lean': 'amx' with the lean decoder step and encoder layers; "
-                        "repeatable")
+                        "decoder and encoder nn.Linear on AMX int8 tiles (fairseq_ext.inference.amx_int8; skipped "
+                        "with a note where the CPU lacks AMX); 'amx-lean': 'amx' with the lean decoder step and "
+                        "encoder layers; repeatable")
     p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
-                   help="also measure our K=1 and SATs in float32 after the speed-ups of fairseq_ext.inference: "
-                        "'prepack' (the softmax projection through MKL's packed GEMM), 'lean' (the lean decoder step "
-                        "mixed into the decoder and the lean encoder layers), 'lean-prepack', 'lean-decoder' (the "
-                        "lean step alone), or 'own-step' (the decoder's own step and PyTorch's log-softmax instead "
-                        "of the generator's defaults: --no-lean-step); repeatable")
+                   help="also measure our K=1 and SATs in float32 after the speed-ups of "
+                        "fairseq_ext.inference.speedups: 'prepack' (the softmax projection through MKL's packed "
+                        "GEMM), 'lean' (the lean decoder step mixed into the decoder and the lean encoder layers), "
+                        "'lean-prepack', 'lean-decoder' (the lean step alone), or 'own-step' (the decoder's own step "
+                        "and PyTorch's log-softmax instead of the generator's defaults: --no-lean-step); repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -372,7 +372,7 @@ def main(argv=None):
                 cs.append(Contender(f"CTranslate2 {ct} ({label})", 1, "ct2", translator=tr,
                                     dictionary=tgt_dict, src_dict=src_dict, of=ref))
     float_ours = [c for c in cs if c.name.startswith("ours") and c.family == ""]
-    # the opt-in variants, each over every float contender of ours: family -> fairseq_ext.inference speed-ups
+    # the opt-in variants, each over every float contender of ours: family -> fairseq_ext.inference.speedups names
     variants = [(f"int8 {layers}", INT8_SPEEDUPS[layers]) for layers in args.quantize]
     variants += [(f"float {opt}", FLOAT_SPEEDUPS[opt]) for opt in args.float_opt]
     for family, speedups in variants:
@@ -605,7 +605,7 @@ def report(args, cs, results, analysis, n_params, load_before, load_after, code,
                 ratio = results[rev.name][f"{mode}_b1_ms"] / results[c.name][f"{mode}_b1_ms"]
                 checks[f"{c.name} vs {rev.name}, {mode}"] = ratio
                 print(f"{c.name} vs ours K=1 @{args.baseline_rev}, {mode} batch 1: {ratio:.2f}x faster "
-                      f"(issue 17 asks >= {K1_VS_BASELINE_REV}x)  {'ok' if ratio >= K1_VS_BASELINE_REV else 'BELOW'}")
+                      f"(target >= {K1_VS_BASELINE_REV}x)  {'ok' if ratio >= K1_VS_BASELINE_REV else 'BELOW'}")
     ct2_int8 = results.get("CTranslate2 int8 (transformer)")
     if ct2_int8:
         for c in cs:

@@ -132,7 +132,7 @@ class Contender:
         return None if uses is None else ("lean" if uses else "own")
 
     def search_kernels(self, beam):
-        """Which of fairseq_ext.search_kernels our generator used ({"log_softmax_top": bool, "group_step": bool}),
+        """Which of fairseq_ext.sat.search_kernels our generator used ({"log_softmax_top": bool, "group_step": bool}),
         None for the others."""
         gen = self._gens.get(beam)
         if getattr(gen, "native_group_step", None) is None:

@@ -1,13 +1,15 @@
 """Int8 linear layers on Intel AMX tiles for CPU decoding (opt-in: ``--inference-speedups amx-int8-decoder``
-and ``amx-int8-encoder``, or :func:`fairseq_ext.inference.amx_quantize_decoder` / ``amx_quantize_encoder``).
+and ``amx-int8-encoder``, or :func:`fairseq_ext.inference.speedups.amx_quantize_decoder` /
+``amx_quantize_encoder``).
 
 PyTorch's dynamically quantised ``Linear`` (fbgemm, the ``int8-*`` flags) spends most of a small call outside
-the product: on the quickstart model's 256 x 256 projections about 22 us for 1 row and 29 us for 16, and its
-per-row cost is what keeps a SAT call of K x B rows (a beam's K new positions for B hypotheses) well above a
-4-row call (docs/sat_transformer.md, "Run M"). A CPU with AMX tiles (Intel Sapphire Rapids and later)
+the product, and its per-row cost is what keeps a SAT call of K x B rows (a beam's K new positions for B
+hypotheses) well above a 4-row call (``python benchmarks/bench_kernels.py --parts 5`` times both by row count;
+docs/sat_transformer.md, "The kernels in isolation"). A CPU with AMX tiles (Intel Sapphire Rapids and later)
 multiplies 16 rows of int8 by a 16 x 64 int8 tile in one instruction, so up to 16 rows cost what one row
 costs. This module runs every ``nn.Linear`` of the decoder (encoder) through a small kernel on those tiles
-(``fairseq_ext/native/amx_int8.c``, plain C, built once on first use with the system C compiler and cached):
+(``fairseq_ext/inference/kernels/amx_int8.c``, plain C, built once on first use with the system C compiler and
+cached):
 
     y[m, n] = sum_k qx[m, k] * qW[n, k] * sx[m] * sW[n] + b[n]
 
@@ -17,11 +19,11 @@ costs. This module runs every ``nn.Linear`` of the decoder (encoder) through a s
   rounded half to even (fbgemm's dynamic quantisation uses one 7-bit scale for the whole call);
 * the int32 sums are exact; the scales and the bias are applied in float32 (one fused multiply-add).
 
-:class:`AmxInt8Linear` equals that formula evaluated in float64 within float32 rounding (``tests/inference/test_amx_int8.py``
-checks 1e-6 of the output's scale, for 1 to 40 rows and sizes that are not multiples of the tile). A row with a
-NaN or an infinity gives NaN outputs. The queries, keys and values of an attention layer can run as one call
-(:meth:`AmxInt8Linear.stacked`: the outputs equal the three calls' bit for bit), which the lean decoder and
-encoder use.
+:class:`AmxInt8Linear` equals that formula evaluated in float64 within float32 rounding
+(``tests/inference/test_amx_int8.py`` checks 1e-6 of the output's scale, for 1 to 40 rows and sizes that are not
+multiples of the tile). A row with a NaN or an infinity gives NaN outputs. The queries, keys and values of an
+attention layer can run as one call (:meth:`AmxInt8Linear.stacked`: the outputs equal the three calls' bit for
+bit), which the lean decoder and encoder use.
 
 Inference only: the layers hold int8 copies, not parameters (``state_dict`` omits them; train and save the
 float model), take float32 inputs on the CPU, and refuse autograd with one line. The kernel runs on the calling
@@ -47,7 +49,8 @@ SOURCE = Path(__file__).with_name("kernels") / "amx_int8.c"
 CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mamx-tile", "-mamx-int8", "-shared",
           "-fPIC", "-pthread"]
 # calls of at least this many multiply-adds (rows x outputs x inputs; e.g. 128 rows of an 8,000 x 256 softmax
-# projection) split their outputs over torch.get_num_threads() threads; a new thread costs ~0.1 ms here
+# projection) split their outputs over torch.get_num_threads() threads; below it a new thread costs more than it
+# saves (``python benchmarks/bench_kernels.py --parts 5 --threads 2 --qkv-rows 64 128 256`` times calls either side)
 THREADED_WORK = 1 << 28
 CPU_FLAGS = ("amx_tile", "amx_int8", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 
@@ -79,7 +82,7 @@ LIBRARY = NativeLibrary("AMX int8 kernel", SOURCE, CFLAGS, NEEDS, lambda: _cpu_r
 
 
 def _build() -> Path:
-    """The kernel library, compiled on first use and cached (:func:`fairseq_ext.native_library.build`)."""
+    """The kernel library, compiled on first use and cached (:func:`fairseq_ext.inference.native.build`)."""
     return build(SOURCE, CFLAGS, NEEDS)
 
 

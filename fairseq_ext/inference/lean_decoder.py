@@ -299,9 +299,9 @@ def reorder_cache(buf: Tensor, spare: Optional[Tensor], order: Tensor, n: int) -
     """A key/value buffer [B, H, capacity, d] reordered along B; returns (the reordered buffer, the next spare).
     A large buffer (a batch's beams, ``REORDER_USED_ONLY`` elements or more) is reordered into ``spare`` (the
     buffer of the previous reorder, when its shape fits), and only its n cached positions are copied: no
-    allocation and 1.4-2x less time than a fresh ``index_select`` of the whole capacity (``python
-    benchmarks/bench_kernels.py``); the old buffer is the next spare. A small one (a single sentence's beam)
-    takes the fresh ``index_select``, which is faster there, and keeps no spare."""
+    allocation and less time than a fresh ``index_select`` of the whole capacity (``python
+    benchmarks/bench_kernels.py --parts 2`` times both); the old buffer is the next spare. A small one (a single
+    sentence's beam) takes the fresh ``index_select``, which is faster there, and keeps no spare."""
     if buf.numel() < REORDER_USED_ONLY:
         return buf.index_select(0, order), spare
     shape = (order.size(0),) + tuple(buf.shape[1:])
@@ -634,9 +634,10 @@ class LeanIncrementalDecoding:
 
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
         """The entry point of fairseq's generators (and of the SAT generator): fairseq's walks every submodule and
-        reorders each one's state, 97 modules of a 3-layer decoder (about 160 us of ``hasattr`` a call, once per
-        word of a beam search). When the lean step's state is the only one (:func:`only_lean_state`), reordering
-        it is the whole job; any other state (a step that fell back to fairseq's path) takes fairseq's walk."""
+        reorders each one's state, 97 modules of a 3-layer decoder (one ``hasattr`` each per call, once per word of
+        a beam search; ``python benchmarks/bench_beam_parts.py`` times the walk). When the lean step's state is the
+        only one (:func:`only_lean_state`), reordering it is the whole job; any other state (a step that fell back
+        to fairseq's path) takes fairseq's walk."""
         if only_lean_state(incremental_state):
             reorder_lean_state(self, incremental_state, new_order)
             return
@@ -658,7 +659,7 @@ _LEAN_CLASSES: Dict[Tuple[type, type], type] = {}
 def mix_in(module, mixin: type) -> None:
     """``module``'s class becomes a subclass of its own class with ``mixin`` first (made once per pair and kept;
     parameters and state_dict unchanged); nothing when it already has the mixin. Used by :func:`lean_decoder` and
-    :func:`fairseq_ext.lean_encoder.lean_encoder`."""
+    :func:`fairseq_ext.inference.lean_encoder.lean_encoder`."""
     cls = type(module)
     if issubclass(cls, mixin):
         return

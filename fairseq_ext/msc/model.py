@@ -350,9 +350,9 @@ def msc_encoder_states(encoder_out: Dict[str, List[Tensor]]):
 
 
 # fairseq's beamable cross attention (keys/values once per sentence) runs its scores through an einsum that costs
-# more than the per-hypothesis bmm on small batches: measured with benchmarks/bench_msc_decode.py on CPU, beam 4,
-# it was x1.10 slower with 1 sentence, about even with 2-4, and faster from 8 sentences on (x0.90 of the legacy
-# path at 8 against x0.95 per hypothesis; x0.70 against x0.88 at 32).
+# more than the per-hypothesis bmm on small batches: on CPU with beam 4 it is slower with 1 sentence, about even
+# with 2-4, and faster from 8 sentences on (``python benchmarks/bench_msc_decode.py --batch N`` times its
+# ``beamable always`` and ``beamable never`` contenders).
 BEAMABLE_MIN_SENTENCES = 8
 
 

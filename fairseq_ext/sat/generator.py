@@ -53,8 +53,8 @@ TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an
 
 
 def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
-    """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through chunk maxima, 2.6-3x
-    faster for 16-24 rows of 8,000 words (``benchmarks/bench_beam_rows.py``: 52 against 162 us for 16 rows). The row
+    """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through chunk maxima,
+    faster than ``topk`` for 16-24 rows of 8,000 words (``python benchmarks/bench_beam_rows.py`` times both). The row
     is cut into chunks of ``chunk`` words; the B best words lie in the B chunks with the largest maxima (a word in
     another chunk has B chunk maxima, B distinct words, at least as large), so one top-B over the chunk maxima and
     one over the B chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-B over the row;
@@ -81,9 +81,9 @@ def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
 class SATEnsembleModel(EnsembleModelWithAlignment):
     """fairseq's model wrapper for one SAT model; :meth:`decode_group` runs the decoder on the K new
     positions of every hypothesis (one call per group): through the lean step of
-    :mod:`fairseq_ext.lean_decoder` when ``lean_step`` and the decoder allows it (``uses_lean_step``: the
-    decoder's structure is checked once, :func:`lean_takes`, its dtype and device on every call), else through
-    the decoder's own ``forward``. The model itself is not changed."""
+    :mod:`fairseq_ext.inference.lean_decoder` when ``lean_step`` and the decoder allows it (``uses_lean_step``: the
+    decoder's structure is checked once, :func:`lean_refusal`, its dtype and device on every call, and each call
+    by :func:`lean_applies`), else through the decoder's own ``forward``. The model itself is not changed."""
 
     def __init__(self, models, lean_step: bool = True):
         if len(models) != 1:
@@ -127,7 +127,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
 
 def plain_log_softmax(model) -> bool:
     """Whether ``model.get_normalized_probs(net_output, log_probs=True)`` is fairseq's ``utils.log_softmax`` of the
-    logits (no adaptive softmax, no override), so that :mod:`fairseq_ext.search_kernels` may read it instead."""
+    logits (no adaptive softmax, no override), so that :mod:`fairseq_ext.sat.search_kernels` may read it instead."""
     decoder = getattr(model, "decoder", None)
     return (type(model).get_normalized_probs in (BaseFairseqModel.get_normalized_probs,
                                                  TransformerModelBase.get_normalized_probs)
@@ -194,7 +194,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
 
     def _logits_top(self, x: Tensor, B: int, step: int, max_len: int):
         """What a step reads of the log-softmax of the logits ``x`` [N, K, V], through
-        :func:`fairseq_ext.search_kernels.log_softmax_top`: the B best non-EOS, non-pad log-probabilities and
+        :func:`fairseq_ext.sat.search_kernels.log_softmax_top`: the B best non-EOS, non-pad log-probabilities and
         their words [N, K, B] and the EOS log-probabilities [N, K], with fairseq's rules of :meth:`_constrain`
         applied to them (nothing else reads the rest of the row: the kernel runs only without --unkpen, token
         suppression and --no-repeat-ngram-size). None where the kernel leaves a row to PyTorch (not finite), and
@@ -223,8 +223,8 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
         (the lean step keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
         ``reorder_incremental_state_scripting`` asks every submodule for ``reorder_incremental_state`` on every
-        call (97 ``hasattr`` for the quickstart decoder, ~160 us); the same calls in the same order here, with the
-        modules that have it found once per search."""
+        call (97 ``hasattr`` for the quickstart decoder; ``python benchmarks/bench_beam_parts.py`` times both
+        walks); the same calls in the same order here, with the modules that have it found once per search."""
         decoder = self.model.single_model.decoder
         if only_lean_state(state):  # the lean step's state is all there is
             reorder_lean_state(decoder, state, rows)
@@ -244,11 +244,11 @@ class _GroupSearch(GroupStep, SequenceGenerator):
 
     @staticmethod
     def _nan_to_neg_inf(lprobs: Tensor) -> Tensor:
-        """fairseq's rule that a NaN log-probability is -inf, in place. A search over [N, K, V] per step costs more
-        than the log-softmax (12 us a row of 8,000 here), so the searches apply it only when a value they selected
-        is NaN: ``max``, ``topk`` and :func:`top_b` rank NaN above every number, so a row with a NaN anywhere
-        selects one, and the rest of the step is then redone on the corrected distributions: the same result as
-        filling first."""
+        """fairseq's rule that a NaN log-probability is -inf, in place. Looking for NaN over [N, K, V] every step
+        costs more than the log-softmax (``python benchmarks/bench_beam_rows.py`` times the full pass against the
+        check on the selected values), so the searches apply it only when a value they selected is NaN: ``max``,
+        ``topk`` and :func:`top_b` rank NaN above every number, so a row with a NaN anywhere selects one, and the
+        rest of the step is then redone on the corrected distributions: the same result as filling first."""
         return lprobs.masked_fill_(lprobs.isnan(), -math.inf)
 
     @staticmethod
@@ -423,15 +423,17 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     dictionaries (tokens, score, positional_scores, attention, alignment) as fairseq's SequenceGenerator.
 
     ``decoder_calls`` counts the decoder calls of the last :meth:`generate` (for tests and benchmarks).
-    ``lean_step`` (default True): decoder calls go through the lean step of :mod:`fairseq_ext.lean_decoder` (the
-    same float32 products as fairseq's layers, summed in another order: ~1e-6) where
-    :func:`~fairseq_ext.lean_decoder.lean_takes` and ``float32_on_cpu`` allow (fairseq's and the SAT's transformer
+    ``lean_step`` (default True): decoder calls go through the lean step of :mod:`fairseq_ext.inference.lean_decoder`
+    (the same float32 products as fairseq's layers, summed in another order: ~1e-6) where
+    :func:`~fairseq_ext.inference.lean_decoder.lean_refusal` finds nothing against the decoder, ``float32_on_cpu``
+    and :func:`~fairseq_ext.inference.lean_decoder.lean_applies` allow (fairseq's and the SAT's transformer
     decoders, float32 on the CPU); ``lean_step=False``
     (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
-    :mod:`fairseq_ext.search_kernels` (C, where a C compiler builds it; the log-softmax kernel on CPUs with
+    :mod:`fairseq_ext.sat.search_kernels` (C, where a C compiler builds it; the log-softmax kernel on CPUs with
     AVX-512F): with
     ``lean_step`` and without --unkpen, token suppression or --no-repeat-ngram-size, the search reads each row's
-    log-softmax through its kernel (the B best words and EOS, ~1 ulp from PyTorch's; ``reads_top_only``), and
+    log-softmax through its kernel (the B best words and EOS, within 1e-6 + 2.4e-7 |v| of the exact value v in
+    ``tests/sat/test_search_kernels.py``; ``reads_top_only``), and
     the enumerated group step runs in one C call with the same numbers as its PyTorch ops
     (``native_group_step``; then K = 1 takes the enumeration too). Both attributes may be set to False; they are
     looked up (and the library built) when a search of a float32 CPU model first needs them, so a greedy decode
@@ -451,8 +453,8 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         if type(self.search) is not search.BeamSearch:
             raise FairseqExtError("translation_sat supports beam search and greedy search only")
         self.left_pad_target = False
-        # the search reads the log-softmax through fairseq_ext.search_kernels where nothing else needs the row, and
-        # runs the enumerated group step in one C call where the library runs here (same numbers); whether the
+        # the search reads the log-softmax through fairseq_ext.sat.search_kernels where nothing else needs the row,
+        # and runs the enumerated group step in one C call where the library runs here (same numbers); whether the
         # library runs (built with the C compiler on first use) is looked up when a CPU search first needs it
         self._top_only_wanted = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
                                  and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model))

@@ -1,5 +1,5 @@
-"""Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/native/search_kernels.c``, built
-once with the system C compiler and cached: :mod:`fairseq_ext.native_library`). At batch 1 a step's
+"""Two parts of a beam step in C, for the SAT generator on the CPU (``fairseq_ext/sat/kernels/search_kernels.c``,
+built once with the system C compiler and cached: :mod:`fairseq_ext.inference.native`). At batch 1 a step's
 PyTorch ops each cost a few microseconds whatever their size; these two replace about 35 of them. The group step is
 plain C; the log-softmax uses AVX-512F intrinsics (x86-64, a CPU that has them: read from /proc/cpuinfo). Where
 no C compiler builds the file (or not on a POSIX system), :func:`refusal` says why in one line and the generator
@@ -9,26 +9,27 @@ PyTorch's.
 * :func:`log_softmax_top` (the generator's default with the lean step; ``--no-lean-step`` turns both off). A beam
   step reads, of each row's log-softmax ``lp = log_softmax(x)`` over V words, only its B best words (EOS and pad
   excluded) and the EOS column. PyTorch writes the whole row, then the search masks pad and EOS and ranks the row
-  again (:func:`fairseq_ext.sat.generator.top_b`): on the quickstart's 8,000 words 49 us for 4 rows and 71 us
-  for 8, one thread (``python benchmarks/bench_kernels.py --parts 6``). The kernel reads each row twice:
+  again (:func:`fairseq_ext.sat.generator.top_b`). The kernel reads each row twice:
 
       m = max_v x[v],   s = log sum_v exp(x[v] - m),   lp[v] = (x[v] - m) - s     (PyTorch's order of operations)
 
   keeping the B largest x[v] of the candidate columns on the way (a block of 16 is looked at only when one of its
-  values beats the B-th so far): 16 / 23 us for 4 / 8 rows. The values are PyTorch's log-softmax up to the
-  exponential (a degree-6 polynomial after Cephes' ``expf``, ~1 ulp) and the order of the sum: within 1e-6 plus
-  2 ulp of the exact log-softmax (``tests/sat/test_search_kernels.py``); the words are those of a top B of
-  PyTorch's row, equal values ranking the smaller word first. A row whose maximum or sum is not finite (a NaN
-  anywhere, +inf, every value -inf) is not computed: the call returns None and the caller takes PyTorch's path,
-  where fairseq's rules for those apply. The kernel runs on the calling thread (2.8 us a row of 8,000 at 512
-  rows; PyTorch's ops 8.1 us a row on one thread, 4.4 on two: the same command with ``--threads 2``), so the
-  generator leaves calls of over :data:`SERIAL_MAX_ROWS` rows to PyTorch when it has more than two threads
-  (batched decoding on a larger machine).
+  values beats the B-th so far). Its exponential is its own (a degree-6 polynomial after Cephes' ``expf``) and its
+  sum runs in another order than PyTorch's, so its values need not be PyTorch's bit for bit.
+  ``tests/sat/test_search_kernels.py`` checks, on random rows of 5 to 8,003 words (logits of scale 1 and 30), that
+  each value (the B best and EOS) is within 1e-6 + 2.4e-7 |v| of v, the exact log-softmax (computed in float64,
+  rounded once to float32), and that the words are those of the top B of that row, equal values ranking the
+  smaller word first. A row whose maximum or sum is not finite (a NaN anywhere, +inf, every value -inf) is not
+  computed: the call returns None and the caller takes PyTorch's path, where fairseq's rules for those apply. The
+  kernel runs on the calling thread, so the generator leaves calls of over :data:`SERIAL_MAX_ROWS` rows to
+  PyTorch's parallel ops when it has more than two threads (batched decoding on a larger machine).
 * :func:`enumerated_group`: the generator's enumerated group step (every parent's candidate prefixes scored at
-  once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops:
-  about 25 ops and 37-47 us a call in isolation for K = 2-6 (the same command), 11-16 us here; in a search,
-  where each op costs more, 94-111 us against 24-32 us (``benchmarks/bench_beam_parts.py``). It changes no number, so the generator uses it wherever the
-  library builds (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
+  once, then a top B per position; ``_enumerated_group``) with the same float32 numbers as its PyTorch ops, which
+  are about 25 ops a call. It changes no number, so the generator uses it wherever the library builds
+  (``native_group_step``), for K = 1 too (a beam step is the enumeration with one position).
+
+``python benchmarks/bench_kernels.py --parts 6`` times both against PyTorch's ops in isolation (``--threads 2``
+for PyTorch's ops on two threads), ``python benchmarks/bench_beam_parts.py`` inside a search.
 
 Float32 on the CPU only. Both wrappers check what they hand to C before the call (dtype, device, shape, and the
 index values the C code reads memory with) and refuse anything else with one line; an input that is not contiguous
@@ -151,7 +152,7 @@ def _check_group_args(scores, vals, words, eos_lp, n, P, J, ranks, lengths):
     """Refuse (one line) what :func:`enumerated_group` must not hand to C: another dtype or device, shapes that do
     not fit each other, a beam over :data:`GROUP_MAX_BEAM`, ranks outside [0, B) or lengths outside [0, K] (the C
     code reads ``vals`` at those indices). The candidates (ranks, lengths) are checked once per tensor and again
-    after an in-place change (the generator reuses one cached pair); the rest on every call (about 2 us)."""
+    after an in-place change (the generator reuses one cached pair); the rest on every call."""
     F, L = torch.float32, torch.int64
     try:
         ok = (scores.dtype is F and vals.dtype is F and eos_lp.dtype is F and words.dtype is L and scores.is_cpu
@@ -196,7 +197,7 @@ def enumerated_group(scores: torch.Tensor, vals: torch.Tensor, words: torch.Tens
     same float32 numbers as its PyTorch ops (the cumulative sums in double, rounded per position). ``scores`` [N],
     ``vals`` / ``words`` [N, K, B], ``eos_lp`` [N, K], ``ranks`` [C, K], ``lengths`` [C] (N = n * P, J positions).
     Returns (cum [N, C, K], words [N, C, K], end [N, C], alive [N, C], fin [J, n, B]) as documented in
-    ``fairseq_ext/native/search_kernels.c``. Needs B <= :data:`GROUP_MAX_BEAM` and :func:`kernel`."""
+    ``fairseq_ext/sat/kernels/search_kernels.c``. Needs B <= :data:`GROUP_MAX_BEAM` and :func:`kernel`."""
     _check_group_args(scores, vals, words, eos_lp, n, P, J, ranks, lengths)
     N, K, B = vals.shape
     C = ranks.size(0)

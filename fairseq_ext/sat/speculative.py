@@ -287,8 +287,8 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
 
     def _output(self, decoder, x: Tensor) -> Tensor:
         """``decoder.output_layer(x)``: a float32 projection without bias as one product with the weight transposed
-        (kept, one copy per weight: the same products, and 2-3x faster for a few rows when the weight is not in
-        the cache, as here where two models take turns: python benchmarks/bench_speculative.py)."""
+        (kept, one copy per weight: the same products, and faster for a few rows when the weight is not in the
+        cache, as here where two models take turns: python benchmarks/bench_speculative.py)."""
         proj = getattr(decoder, "output_projection", None)
         if (type(proj) is not torch.nn.Linear or proj.bias is not None or decoder.adaptive_softmax is not None
                 or type(decoder).output_layer is not TransformerDecoderBase.output_layer

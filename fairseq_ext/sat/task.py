@@ -12,12 +12,12 @@ inside the model). What changes:
 * rebuilding a trained model from its checkpoint does not re-run ``--sat-init-from``;
 * ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of the ``--path`` model with that SAT drafter
   (:mod:`fairseq_ext.sat.speculative`); ``--sat-draft-speedups LIST`` speeds up the drafter alone;
-* ``--inference-speedups LIST`` applies :mod:`fairseq_ext.inference`'s opt-in CPU decoding speed-ups to the
-  loaded models before decoding (fairseq-generate, fairseq-interactive);
-* the generator runs the decoder's incremental steps through the lean step of :mod:`fairseq_ext.lean_decoder`
-  where it computes the decoder exactly (float32 on the CPU; the model is not changed); ``--no-lean-step``
-  runs the decoder's own step and PyTorch's log-softmax (the default reads it through
-  :mod:`fairseq_ext.search_kernels` where that runs).
+* ``--inference-speedups LIST`` applies :mod:`fairseq_ext.inference.speedups`' opt-in CPU decoding speed-ups to
+  the loaded models before decoding (fairseq-generate, fairseq-interactive);
+* the generator runs the decoder's incremental steps through the lean step of
+  :mod:`fairseq_ext.inference.lean_decoder` where it computes the decoder exactly (float32 on the CPU; the model is
+  not changed); ``--no-lean-step`` runs the decoder's own step and PyTorch's log-softmax (the default reads it through
+  :mod:`fairseq_ext.sat.search_kernels` where that runs).
 """
 
 import logging
@@ -41,20 +41,21 @@ class TranslationSATConfig(TranslationConfig):
     inference_speedups: str = field(
         default="",
         metadata={"help": "comma-separated CPU decoding speed-ups applied to the loaded models (fairseq_ext."
-                          "inference): fast-attention, prepack, lean-decoder and lean-encoder keep float32 "
+                          "inference.speedups): prepack, lean-decoder and lean-encoder keep float32 "
                           "(sums reordered, ~1e-6); int8-output, int8-decoder, int8-encoder quantise the softmax "
                           "projection / every decoder / every encoder nn.Linear (outputs change a little); "
                           "amx-int8-decoder, amx-int8-encoder do the same with int8 products on AMX tiles (CPUs with "
-                          "AMX; fairseq_ext/amx_int8.py). Inference only."})
+                          "AMX; fairseq_ext/inference/amx_int8.py). Inference only."})
     no_lean_step: bool = field(
         default=False,
         metadata={"help": "decode with the decoder's own incremental step (fairseq's layers) instead of the lean "
-                          "step (fairseq_ext/lean_decoder.py: the same float32 products, summed in another order, "
-                          "~1e-6) that the generator uses by default for fairseq's and the SAT's transformer "
-                          "decoders in float32 on the CPU (after --inference-speedups lean-decoder the decoder's "
-                          "own step is the lean one), and with PyTorch's log-softmax instead of the search "
-                          "kernel that reads only the B best words and EOS of each row (fairseq_ext/search_kernels.py,"
-                          " ~1 ulp; used without --unkpen where the CPU has AVX-512F)"})
+                          "step (fairseq_ext/inference/lean_decoder.py: the same float32 products, summed in "
+                          "another order, ~1e-6) that the generator uses by default for fairseq's and the SAT's "
+                          "transformer decoders in float32 on the CPU (after --inference-speedups lean-decoder the "
+                          "decoder's own step is the lean one), and with PyTorch's log-softmax instead of the search "
+                          "kernel that reads only the B best words and EOS of each row (fairseq_ext/sat/"
+                          "search_kernels.py, its own exponential: within 1e-6 + 2.4e-7 |v| of the exact value v in "
+                          "its tests; used without --unkpen where the CPU has AVX-512F)"})
     sat_draft_path: Optional[str] = field(
         default=None,
         metadata={"help": "lossless speculative greedy decoding: this sat_transformer checkpoint drafts K words (its "

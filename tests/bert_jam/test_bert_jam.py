@@ -517,7 +517,7 @@ def test_bert_input_prepared_with_other_settings_is_refused(prepared, tiny_bert,
 
 @pytest.mark.parametrize("recipe", ["iwslt14_de_en", "wmt14_en_de"])
 def test_recipe_phase_3_writes_every_epoch_checkpoint_it_averages(recipe):
-    """Review #3: phase 3 has its own save directory; early stopping there leaves fewer epoch checkpoints than
+    """Phase 3 has its own save directory; early stopping there leaves fewer epoch checkpoints than
     --num-epoch-checkpoints averages (average_checkpoints then refuses)."""
     import shlex
     import subprocess

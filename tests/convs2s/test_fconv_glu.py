@@ -202,7 +202,7 @@ def test_inference_weight_cache_follows_parameter_updates():
 
 def test_inference_weight_cache_after_writes_through_data():
     """Writes through ``.data`` (fairseq's NAG and Adam update that way) bypass the version counters the cache
-    is keyed on (foundation review B6): ``model.eval()`` (what fairseq-generate/-interactive and the hub call
+    is keyed on: ``model.eval()`` (what fairseq-generate/-interactive and the hub call
     before decoding) and ``clear_weight_cache`` start again from the current weights."""
     from fairseq_ext.convs2s.layers import clear_weight_cache
 
@@ -249,7 +249,7 @@ def test_no_deprecation_warnings():
 def test_old_weight_norm_keys_and_version1_decoder_load(version_key):
     """Version-1 fconv state dicts load, with their ``decoder.version`` buffer or without it (fairseq: missing
     means version 1; the odd spec's 1x1 decoder conv has a (1, 1, 1) g in both layouts, which was read as
-    version 2: size mismatch, foundation review B5)."""
+    version 2: size mismatch)."""
     task = _Task()
     ref, ours = _pair(task, **ODD_SPEC)
     old = ref.state_dict()

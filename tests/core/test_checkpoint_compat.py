@@ -1,9 +1,10 @@
-"""Checkpoints written before the one-folder-per-paper layout (commit 6a42e66) still load and decode identically.
+"""Checkpoints written before the one-folder-per-paper layout still load and decode identically.
 
 fairseq checkpoints name architectures and tasks, not module paths, so moving the code must not matter; this
 proves it for every architecture of the package: tests/fixtures/pre_layout/ holds a tiny checkpoint of each
-(written by that commit's code with tests/fixtures/pre_layout/make.py) and what that code's fairseq-generate
-printed for it; today's fairseq-generate must print the same hypotheses with the same scores."""
+(written by the last code before that layout with tests/fixtures/pre_layout/make.py, which names its revision) and
+what that code's fairseq-generate printed for it; today's fairseq-generate must print the same hypotheses with the
+same scores."""
 
 import os
 import re

@@ -1,4 +1,4 @@
-"""benchmarks/compare.py --smoke end to end (issues #7, #16): every model trained (16 updates, tiny sizes) and
+"""benchmarks/compare.py --smoke end to end: every model trained (16 updates, tiny sizes) and
 measured on a slice of the bundled Bible corpus (BERT-JAM through its three phases, the SAT students distilled from
 the best De->En model by valid BLEU), results.json / RESULTS.md / the PNG figures written, the hand-written
 commentary of RESULTS.md kept, and a re-run that skips every finished model; the teacher selection rule and the
@@ -125,7 +125,7 @@ def test_results_md_and_figures(smoke):
     assert "distilling the training set for the SAT students took" in text
     assert "**SAT teacher**" in text and "the test set plays no part in the choice" in text
     assert "**SAT K=2**" in text and "**BERT-JAM (phases 1-3, MiniLM) vs its transformer baseline" in text
-    # the speed-up targets are issue #4's, the paper's own figure is Table 3's GPU beam 4 (review leftover)
+    # the speed-up targets are bench_sat.TARGETS, the paper's own figure is Table 3's GPU beam 4
     assert "(target 1.8x / 1.6x; the paper, on a GPU: beam 4 1.51x, Table 3)" in text and "(paper: 1.8x" not in text
     assert "phase 1: 6 updates, valid BLEU" in text and "| BLEU beam 4, 3 refs |" in text
     for fig in FIGURES:

@@ -1,4 +1,4 @@
-"""Multi-process training and exact resume of every architecture (issue 8, items 1, 2 and 5).
+"""Multi-process training and exact resume of every architecture.
 
 * 2 ranks (``--distributed-world-size 2``, gloo on CPU, explicit ``tcp://127.0.0.1`` init, one process per
   rank, ``--ddp-backend legacy_ddp`` and ``pytorch_ddp --find-unused-parameters``) see exactly the batches of
@@ -306,7 +306,7 @@ class Run:
 
 
 # ------------------------------------------------------------------------------------------------------
-# item 1: 2 ranks == 1 process with --update-freq 2
+# 2 ranks == 1 process with --update-freq 2
 # ------------------------------------------------------------------------------------------------------
 
 _single = {}
@@ -383,7 +383,7 @@ def _check_frozen(one, dist, bert_dir, phase):
 
 
 # ------------------------------------------------------------------------------------------------------
-# item 2: SIGKILL after a mid-epoch checkpoint, resume, same trajectory and model
+# SIGKILL after a mid-epoch checkpoint, resume, same trajectory and model
 # ------------------------------------------------------------------------------------------------------
 
 # 10 updates: epoch 1 (updates 1-4), epoch 2 (5-8), epoch 3; a checkpoint every 3 updates, the kill after update 6
@@ -481,7 +481,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(server, data, tmp_pat
 
 
 # ------------------------------------------------------------------------------------------------------
-# item 5: the long-run check, smallest mode
+# the long-run check, smallest mode
 # ------------------------------------------------------------------------------------------------------
 
 def test_long_run_check_small_mode(data, tmp_path):

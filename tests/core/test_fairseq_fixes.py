@@ -3,8 +3,8 @@
 The resume fix (``fix_resume_rebuilds_batches_with_epoch_seed``) only changes the train iterator that
 ``checkpoint_utils.load_checkpoint`` restores, and only for datasets whose epoch-1 batches an uninterrupted run
 reuses; an uninterrupted run, and datasets that resample or rebuild their batches each epoch, get fairseq's own
-batches (foundation review B1). The end-to-end proof of the exact resume is
-tests/test_distributed_resume.py::test_sigkill_mid_epoch_and_resume_is_exact.
+batches. The end-to-end proof of the exact resume is
+tests/core/test_distributed_resume.py::test_sigkill_mid_epoch_and_resume_is_exact.
 """
 
 import argparse

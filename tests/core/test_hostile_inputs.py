@@ -1,5 +1,5 @@
-"""Hostile and wrong inputs through the real command-line tools (``python -m fairseq_cli.<tool> --user-dir``),
-issue 8 item 3: each fails with exit != 0 and one clear last line ``error: ...`` naming the flag or file and
+"""Hostile and wrong inputs through the real command-line tools (``python -m fairseq_cli.<tool> --user-dir``):
+each fails with exit != 0 and one clear last line ``error: ...`` naming the flag or file and
 what to do (no traceback), and nothing is written over good files; inputs that are merely unusual (empty and
 whitespace-only lines, a sentence longer than BERT's positions) are processed with every line kept.
 
@@ -57,7 +57,7 @@ def _write_tokenizer_mismatch(good, bad):
 
 
 def write_short_bert(path):
-    """tests/test_bert_jam.py's tiny random BERT with 12 positions (many dummy sentences are longer)."""
+    """tests/bert_jam/test_bert_jam.py's tiny random BERT with 12 positions (many dummy sentences are longer)."""
     import torch
     from transformers import BertConfig, BertModel, BertTokenizer
 

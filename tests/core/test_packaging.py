@@ -1,4 +1,4 @@
-"""The package outside the checkout (foundation review Q1, Q2): a LICENSE and a NOTICE for the fairseq-derived code,
+"""The package outside the checkout: a LICENSE and a NOTICE for the fairseq-derived code,
 a wheel built from the checkout declares the real runtime dependencies (Requires-Dist), holds every fairseq_ext
 subpackage and nothing of tools/ or tests/, and once installed into another environment that has torch and
 fairseq it registers our architectures with fairseq-train from any directory."""

@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis; issue 8 item 4) on tiny random models built in-process.
+"""Property-based tests (hypothesis) on tiny random models built in-process.
 
 Over random group sizes K, beam sizes, length penalties, source lengths and batch compositions (left-padded
 sources of different lengths):

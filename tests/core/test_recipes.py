@@ -1,8 +1,8 @@
 """Every recipe under recipes/ with --dry-run: it runs nothing, writes nothing, and prints every step of the real run
 in order (data preparation or distillation where the recipe has one, fairseq-preprocess with its dictionary flags,
 fairseq-train with the paper's flags, checkpoint averaging, fairseq-generate, and the scoring step), with the
-settings the review checked against the papers, fairseq's recipes and the authors' configs (foundation review D1-D4,
-Q6; sat.md D4 and BUG 2; msc.md's recipe remark). Fast: bash only, no fairseq import."""
+settings checked against the papers, fairseq's recipes and the authors' configs. Fast: bash only, no fairseq
+import."""
 
 import os
 import re
@@ -177,12 +177,12 @@ def test_sat(recipe, tmp_path):
     for c in [teacher] + students:
         t = flags(c)
         assert t["--optimizer"] == "adam" and t["--adam-betas"] == "(0.9, 0.98)"
-        if wmt:  # sat.md D4: the authors' config: eps 1e-9, ~30k tokens per update (8 x 3750)
+        if wmt:  # the authors' config: eps 1e-9, ~30k tokens per update (8 x 3750)
             assert (t["--adam-eps"], t["--max-tokens"], t["--update-freq"], t["--distributed-world-size"],
                     t["--lr"], t["--warmup-updates"], t["--max-update"], t["--encoder-ffn-embed-dim"],
                     t["--max-source-positions"]) == ("1e-09", "3750", "4", "2", "0.0007", "4000", "100000", "1024",
                                                      "150")
-    if wmt:  # sat.md BUG 2: the 150-position models must not crash on longer training pairs or test sentences
+    if wmt:  # the 150-position models must not crash on longer training pairs or test sentences
         assert "--skip-invalid-size-inputs-valid-test" in flags(kd)
         for c in tests:
             assert flags(c)["--model-overrides"] == "{'max_source_positions': 1024, 'max_target_positions': 1024}"

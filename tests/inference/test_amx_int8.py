@@ -1,4 +1,4 @@
-"""fairseq_ext.amx_int8: int8 linear layers on AMX tiles (``amx-int8-decoder`` / ``amx-int8-encoder``).
+"""fairseq_ext.inference.amx_int8: int8 linear layers on AMX tiles (``amx-int8-decoder`` / ``amx-int8-encoder``).
 
 The kernel must compute its formula (int8 weights with one scale per output row, each input row quantised with
 its own scale) for any row count and for sizes that are not multiples of a tile; a model with it must decode

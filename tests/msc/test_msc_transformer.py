@@ -574,7 +574,7 @@ def test_l2_criterion_refuses_fully_sharded_data_parallel():
 
 
 # ------------------------------------------------------------------------------------------------------
-# beam search: fairseq's beamable cross attention, stock reordering, lazy MSC tensors (issue 17.3)
+# beam search: fairseq's beamable cross attention, stock reordering, lazy MSC tensors
 # ------------------------------------------------------------------------------------------------------
 def _search(model, d, src, lengths, beam):
     from fairseq.sequence_generator import SequenceGenerator
@@ -600,7 +600,7 @@ def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name, be
             model.decoder.output_projection.weight[d.eos()] *= 1.3  # sentences end at different steps
         model.eval()
         src, lengths, _ = _batch(d, bsz=6, src_len=9)
-        # the per-hypothesis path with eager reordering of before issue 17.3, as benchmarks/bench_msc_decode.py
+        # the per-hypothesis path with eager reordering (the legacy path), as benchmarks/bench_msc_decode.py
         # times it
         with bench_msc_decode.legacy(model) if legacy else contextlib.nullcontext():
             results.append((_search(model, d, src, lengths, 4), _search(model, d, src, lengths, 1)))
@@ -636,7 +636,7 @@ def test_a_stale_beam_size_does_not_leak_into_greedy_search_or_training(monkeypa
 
 
 # ------------------------------------------------------------------------------------------------------
-# encoder and decoder of different widths (issue 15.5, review BUG-2)
+# encoder and decoder of different widths
 # ------------------------------------------------------------------------------------------------------
 def test_encoder_and_decoder_widths_may_differ():
     """As fairseq's transformer: the decoder's attentions over B^n and C^n take keys/values of the encoder width."""

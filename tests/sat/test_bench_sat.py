@@ -1,6 +1,6 @@
-"""benchmarks/bench_sat.py --random-init (issue 17 items 5-8) at a tiny size, and the opt-in int8 decoder of
-fairseq_ext.inference. Speed itself is not asserted (timed tests are not speed claims): the run must build every
-contender, force every output to exactly N words + EOS, and write the JSON the issue asks for."""
+"""benchmarks/bench_sat.py --random-init at a tiny size, and the opt-in int8 decoder of
+fairseq_ext.inference.speedups. Speed itself is not asserted (timed tests are not speed claims): the run must build
+every contender, force every output to exactly N words + EOS, and write the JSON its docstring describes."""
 
 import copy
 import json
@@ -232,7 +232,7 @@ def test_int8_rows_linear_onednn_equals_fbgemm_and_follows_new_weights():
         assert (rows(x) - plain(x)).abs().max() > 0.1
 
 
-# -- fairseq_ext.inference.quantize_decoder -----------------------------------------------------------------------
+# -- fairseq_ext.inference.speedups.quantize_decoder --------------------------------------------------------------
 @pytest.mark.parametrize("layers", ["output", "decoder"])
 def test_quantize_decoder_keeps_the_sat_decoding(layers):
     K = 2

@@ -1,4 +1,4 @@
-"""Tests of the Semi-Autoregressive Transformer (issue #4): fairseq_ext.sat.model,
+"""Tests of the Semi-Autoregressive Transformer: fairseq_ext.sat.model,
 fairseq_ext.sat.task, fairseq_ext.sat.generator and the SAT scripts.
 
 In-process checks on tiny random models (exactness), then one module-scoped set of CLI runs
@@ -228,7 +228,7 @@ def _same_hypos(a, b, what, atol=1e-5, attention=False):
                                                 (1, 1.0, 0.0), (4, 0.6, 0.0)])
 def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, lean_step):
     """Through the lean step (the generator's default) and through the decoder's own step; without --unkpen the
-    default also reads the log-softmax through fairseq_ext.search_kernels (where it runs)."""
+    default also reads the log-softmax through fairseq_ext.sat.search_kernels (where it runs)."""
     from fairseq_ext.sat import search_kernels
     sat = sat_model(1)
     ref = transformer_with_weights_of(sat)
@@ -421,7 +421,7 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
     """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
     a group and rank in the top B at their length): equal to enumerating every continuation of every
     hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Every group step: the rank-tuple
-    enumeration (the default; in C where fairseq_ext.search_kernels runs, else in PyTorch ops) and the
+    enumeration (the default; in C where fairseq_ext.sat.search_kernels runs, else in PyTorch ops) and the
     position-by-position prune (beams too wide for the enumeration). Without --unkpen the default reads the
     log-softmax through the kernel."""
     from fairseq_ext.sat import search_kernels
@@ -743,7 +743,7 @@ def test_cli_k1_generate_equals_fairseq(trained):
 
 @pytest.mark.slow
 def test_cli_translation_task_checkpoint_needs_no_teacher(trained, tmp_path):
-    """Issue 15.4 (review BUG 1): a SAT trained with --task translation --sat-init-from T is loaded by the hub,
+    """A SAT trained with --task translation --sat-init-from T is loaded by the hub,
     fairseq-validate and fairseq-generate, and its training resumes, after T is deleted."""
     import shutil
 

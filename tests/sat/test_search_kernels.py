@@ -1,10 +1,10 @@
-"""fairseq_ext.search_kernels: the log-softmax a beam step reads and the enumerated group step, in C.
+"""fairseq_ext.sat.search_kernels: the log-softmax a beam step reads and the enumerated group step, in C.
 
-``log_softmax_top`` must give PyTorch's log-softmax values (1e-6) and a top B's words, leave rows that are not
-finite to PyTorch, and make the generator's hypotheses those of PyTorch's path; ``enumerated_group`` must give
-exactly the numbers of the PyTorch step it replaces. Where the kernels cannot run, the generator must decode
-through PyTorch's ops. The tests that run the kernels are skipped on a CPU without AVX-512F; the fallback runs
-everywhere."""
+``log_softmax_top`` must give the exact log-softmax's values (within 1e-6 + 2.4e-7 of their size) and the words of
+its top B, leave rows that are not finite to PyTorch, and make the generator's hypotheses those of PyTorch's path;
+``enumerated_group`` must give exactly the numbers of the PyTorch step it replaces. Where the kernels cannot run,
+the generator must decode through PyTorch's ops. The tests that run the kernels are skipped on a CPU without
+AVX-512F; the fallback runs everywhere."""
 
 import math
 
@@ -49,7 +49,7 @@ def test_log_softmax_top_equals_pytorch(shape, B, scale):
     finite = want_vals.isfinite()
     assert torch.equal(vals.isfinite(), finite) and torch.equal(words[finite], want_words[finite])
     assert not ((words == PAD) | (words == EOS)).any()  # -inf places hold other words (topk's are arbitrary)
-    for got, want in ((vals[finite], want_vals[finite]), (eos, want_eos)):  # 1e-6 and 2 ulp of the exact value
+    for got, want in ((vals[finite], want_vals[finite]), (eos, want_eos)):  # 1e-6 + 2.4e-7 |want| of the exact value
         assert ((got - want).abs() <= 1e-6 + 2.4e-7 * want.abs()).all()
     # a view that is not contiguous: the same as its copy
     wide = torch.cat([x, torch.randn(shape, generator=g)], -1)[..., : shape[-1]]

@@ -1,5 +1,5 @@
-/* int8 linear layers on Intel AMX tiles, for fairseq_ext/amx_int8.py (which builds and loads this file and
- * documents it). Plain C with the compiler's AMX and AVX-512 intrinsics; no Python or PyTorch headers.
+/* int8 linear layers on Intel AMX tiles, for fairseq_ext/inference/amx_int8.py (which builds and loads this
+ * file and documents it). Plain C with the compiler's AMX and AVX-512 intrinsics; no Python or PyTorch headers.
  *
  *   y[m, n] = sum_k qx[m, k] * qw[n, k] * sx[m] * sw[n] + b[n]
  *

@@ -1,5 +1,5 @@
-/* Two parts of a beam step, for fairseq_ext/search_kernels.py (which builds and loads this file and documents it).
- * Plain C (the log-softmax with the compiler's AVX-512F intrinsics); no Python or PyTorch headers.
+/* Two parts of a beam step, for fairseq_ext/sat/search_kernels.py (which builds and loads this file and documents
+ * it). Plain C (the log-softmax with the compiler's AVX-512F intrinsics); no Python or PyTorch headers.
  *
  * fx_log_softmax_top: for each row x[0..V) of logits, without writing the V log-probabilities,
  *   m = max_v x[v],  s = log sum_v exp(x[v] - m)          (log-softmax: lp[v] = (x[v] - m) - s)
