@@ -80,8 +80,6 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from bench_sat_contenders import RANDOM_SIZES, Contender, build_random_models, ct2_convert, random_sources  # noqa: E402
 
-# the GPU-style batch-1 speed-up targets (not checked here: this benchmark checks CPU_TARGETS below)
-TARGETS = {"greedy": {2: 1.8, 4: 3.2, 6: 4.5}, "beam4": {2: 1.6, 4: 2.6, 6: 3.3}}
 # --quantize / --float-opt choices -> the fairseq_ext.inference.speedups speed-ups they apply (apply_speedups names)
 INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder",
                  "all-lean": "int8-decoder,int8-encoder,lean-decoder,lean-encoder",

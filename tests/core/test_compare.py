@@ -123,10 +123,7 @@ def test_results_md_and_figures(smoke):
     assert "## The papers' claims\n\nEach paper's own claim is tested" in text and "(CLAIMS.md)" in text
     assert "test sentences scored: 20; De->En also scored against the World English Bible" in text
     assert "distilling the training set for the SAT students took" in text
-    assert "**SAT teacher**" in text and "the test set plays no part in the choice" in text
-    assert "**SAT K=2**" in text and "**BERT-JAM (phases 1-3, MiniLM) vs its transformer baseline" in text
-    # the speed-up targets are bench_sat.TARGETS, the paper's own figure is Table 3's GPU beam 4
-    assert "(target 1.8x / 1.6x; the paper, on a GPU: beam 4 1.51x, Table 3)" in text and "(paper: 1.8x" not in text
+    assert "**SAT K=2**" not in text  # the claims are judged in CLAIMS.md, not on a wall-clock race
     assert "phase 1: 6 updates, valid BLEU" in text and "| BLEU beam 4, 3 refs |" in text
     for fig in FIGURES:
         with open(smoke["docs"] / fig, "rb") as f:
