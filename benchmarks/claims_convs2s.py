@@ -112,3 +112,85 @@ class ConvS2S:
                   what="each model at the minutes the faster needed"))
         S.run_all([f"{n}-eval" for n in runs] + ["convs2s-equal-minutes"])
         return {"lstm_lr": lr, "pilots": {n: b for b, n in scored}}
+
+
+def verdict(fconv, lstm, last, minutes):
+    """(verdict, reason) from test BLEU (beam 4): ConvS2S against the LSTM at equal updates and equal minutes, and
+    multi-step attention against attention in the last layer only."""
+    parts = {"equal updates": fconv - lstm, "equal minutes": minutes[0] - minutes[1] if minutes else None,
+             "multi-step attention": fconv - last}
+    said = "; ".join(f"{k}: {v:+.2f} BLEU" for k, v in parts.items() if v is not None)
+    if all(v is None or v > 0 for v in parts.values()):
+        return "reproduced", (f"ConvS2S is above the LSTM with attention at equal updates and at equal minutes, and "
+                              f"attention in every decoder layer is above attention in the last one ({said}).")
+    lost = [k for k, v in parts.items() if v is not None and v <= 0]
+    return "not reproduced", f"Not above its control at {', '.join(lost)} ({said})."
+
+
+def report(ctx, outcome):
+    """docs/CLAIMS.md's ConvS2S section and claims.json's ``convs2s``."""
+    import claims_report as R
+
+    S, a = ctx.S, ctx.args
+    labels = {"convs2s-fconv": "fconv_glu (attention in every decoder layer)",
+              "convs2s-lstm": f"lstm with attention (lr {outcome['lstm_lr']})",
+              "convs2s-fconv-lastattn": "fconv_glu, attention in the last decoder layer only"}
+    rows, rec = [], {}
+    for n, label in labels.items():
+        tr, ev = S.result(n), S.result(f"{n}-eval")
+        rows.append([label, f"{ev.get('params', 0) / 1e6:.2f}", R.fmt(ev["bleu_valid_beam4"]),
+                     R.fmt(ev["bleu_test_greedy"]), R.fmt(ev["bleu_test_beam4"]), tr["updates"],
+                     f"{tr['train_tokens_per_s']:.0f}", f"{tr['minutes']:.1f}"])
+        rec[n[8:]] = {"params": ev.get("params"), "valid_beam4": ev["bleu_valid_beam4"],
+                      "test_beam4": ev["bleu_test_beam4"], "test_greedy": ev["bleu_test_greedy"],
+                      "updates": tr["updates"], "train_tokens_per_s": tr["train_tokens_per_s"],
+                      "minutes": round(tr["minutes"], 1)}
+    eq = S.result("convs2s-equal-minutes")
+    erows, eq_bleu = [], None
+    if all("bleu_test_beam4" in eq.get(n, {}) for n in ("convs2s-fconv", "convs2s-lstm")):
+        eq_bleu = (eq["convs2s-fconv"]["bleu_test_beam4"], eq["convs2s-lstm"]["bleu_test_beam4"])
+        for n in ("convs2s-fconv", "convs2s-lstm"):
+            erows.append([labels[n], eq[n]["updates_at_budget"], eq[n]["checkpoint_update"],
+                          R.fmt(eq[n]["bleu_test_beam4"])])
+    ev = {n: S.result(f"{n}-eval")["bleu_test_beam4"] for n in labels}
+    v, reason = verdict(ev["convs2s-fconv"], ev["convs2s-lstm"], ev["convs2s-fconv-lastattn"], eq_bleu)
+    prow = [[n.rsplit("lr", 1)[1], R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
+    md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)
+
+**Claim** (Table 1): a fully convolutional model with gated linear units and multi-step attention beats strong
+recurrent models (WMT'16 En-Ro {PAPER['en_ro']['convs2s']} vs {PAPER['en_ro']['gru_bpe_sennrich']}; WMT'14 En-De
+{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while training and translating faster; attention
+in every decoder layer beats attention in the last layer only (Table 5).
+
+**Verdict: {v}.** {reason}
+
+```bash
+{R.command(a, "convs2s")}
+```
+
+**Setup.** `fconv_glu` of width {a.dim} (4 encoder and 3 decoder convolutions of kernel 3, shared input/output
+embedding, NAG lr 0.25, clip 0.1, as the quickstart) against fairseq's `lstm` (a bidirectional 1-layer encoder and
+a 1-layer decoder of hidden size {2 * a.dim}, attention, shared embeddings, adam with its learning rate chosen on
+valid by {len(outcome['pilots'])} pilots of {a.convs2s_pilot_updates} updates), and `fconv_glu` with
+`--decoder-attention "[False, False, True]"`; label smoothing 0.1, 1,024 tokens a batch, {a.convs2s_updates} updates
+each, fconv and the LSTM side by side (one thread each, so their minutes compare), the last 3 interval
+checkpoints averaged for the equal-updates rows.
+
+### Equal updates
+
+{R.table(["model", "params (M)", "valid BLEU (beam 4)", "test BLEU (greedy)", "test BLEU (beam 4)", "updates",
+          "train tokens/s", "minutes"], rows)}
+
+### Equal minutes ({eq.get('minutes', '-')} min: what the faster of the two needed for all its updates)
+
+{R.table(["model", "updates in that time", "checkpoint used", "test BLEU (beam 4)"], erows) if erows else "-"}
+
+LSTM pilots (valid greedy BLEU by learning rate):
+
+{R.table(["lr", "valid greedy"], prow)}
+
+Signatures: {R.signatures([S.result(f"{n}-eval") for n in labels])}.
+"""
+    record = {"verdict": v, "reason": reason, "models": rec, "equal_minutes": eq, "paper": PAPER,
+              "command": R.command(a, "convs2s")}
+    return R.write(a.docs_dir, "convs2s", md, record)

@@ -65,6 +65,14 @@ def summary(arch, updates, wall, cpu, threads, valid_bleu, distilled=False):
             f"{threads} thread{'s' if threads != 1 else ''}) by tools/train_release.py; valid BLEU {valid_bleu:.2f}")
 
 
+def code_commit() -> str:
+    """The repository's HEAD, marked when tracked files differ from it (what the release was trained with)."""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    return (head or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", required=True)
@@ -150,7 +158,10 @@ def main(argv=None):
         "command": public_text("python tools/train_release.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                                ROOT),
         "quickstart_command": public_text(" ".join(cmd[1:]), ROOT),
-        "quickstart_environment": {k: public_text(env[k], ROOT) for k in ("SAT_K", "SAT_TEACHER") if k in env},
+        # what the quickstart command needs to run as this one did: the thread count included
+        "quickstart_environment": {**{k: public_text(env[k], ROOT) for k in ("SAT_K", "SAT_TEACHER") if k in env},
+                                   "OMP_NUM_THREADS": str(threads)},
+        "code_commit": code_commit(),
         "updates_trained": n_updates,
         "wall_seconds": round(wall), "cpu_seconds": round(cpu),
         "train_seconds": round(float(done[-1])) if done else None,

@@ -126,3 +126,72 @@ def test_sat_report_ratios_and_verdict_follow_the_results(tmp_path):
     assert (tmp_path / "miss" / "docs" / "claims_sat_position_ce.png").exists()
     rec, _ = _sat_report(tmp_path / "hit", {1: 20.0, 2: 19.6, 4: 18.8, 6: 17.8})
     assert rec["verdict"] == "reproduced" and rec["ratio_to_teacher"]["6"] == 0.89
+
+
+def test_msc_verdict_follows_the_issue_targets():
+    import claims_msc
+
+    def bleu(**kw):  # VARIANTDEPTH=BLEU
+        return {(k.rstrip("0123456789"), int(k.lstrip("abcdefghijklmnopqrstuvwxyz"))): v for k, v in kw.items()}
+
+    assert claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21, msc24=21.5), [6, 24])[0] \
+        == "reproduced"  # +0.5 over pre-norm-24, +1.0 over the best 6-layer model
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21.1, msc24=21.5), [6, 24])
+    assert v == "not reproduced" and "MSC 21.50, pre-norm 21.10" in reason
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=21, post24=10, pre24=19, msc24=20.9), [6, 24])
+    assert v == "not testable at this scale" and "msc -0.10" in reason
+
+
+def test_convs2s_verdict_needs_every_control_beaten():
+    import claims_convs2s
+
+    assert claims_convs2s.verdict(20.0, 18.0, 19.0, (19.5, 17.0))[0] == "reproduced"
+    v, reason = claims_convs2s.verdict(20.0, 18.0, 20.5, (19.5, 17.0))
+    assert v == "not reproduced" and "multi-step attention: -0.50" in reason and "equal minutes: +2.50" in reason
+    assert claims_convs2s.verdict(20.0, 21.0, 19.0, None)[1].startswith("Not above its control at equal updates")
+
+
+def _bert_jam_report(tmp_path, bleus):
+    """The BERT-JAM report from fabricated results: size -> (test BLEU of the two baselines by dropout, of phases
+    1, 2, 3 and the control); valid BLEU is test + 1, so the baseline with the better test is chosen."""
+    import claims_bert_jam
+
+    args, _ = claims.parse_args(["--paper", "bert_jam", "--bj-sizes", ",".join(map(str, bleus)),
+                                 "--docs-dir", str(tmp_path / "docs"), "--workdir", str(tmp_path / "w")])
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    outcome = {"sizes": list(bleus), "chains": {}, "bases": {}}
+    for n, (base, phases) in bleus.items():
+        outcome["bases"][n] = [f"bj-{n}-base-d{d}" for d in base]
+        outcome["chains"][n] = [f"bj-{n}-{k}" for k in ("p1", "p2", "p3", "ctrl")]
+        for name, b in [*zip(outcome["bases"][n], base.values()), *zip(outcome["chains"][n], phases)]:
+            S.results[name] = {"updates": 500, "minutes": 5.0, "s_per_update": 0.6, "cache_minutes": 0.0,
+                               "stopped_at_plateau": True, "checkpoint": "x"}
+            S.results[f"{name}-eval"] = {k: v for k, v in _bleu(b).items() if "greedy" not in k} | {
+                "bleu_valid_beam4": b + 1.0}
+        chosen = max(base, key=base.get)
+        S.results[f"bj-{n}-base-test"] = {"bleu_test_beam4": base[chosen], "chosen": f"bj-{n}-base-d{chosen}",
+                                          "dropout": float(chosen)}
+    S.results["bj-e5"] = {"pruned_vocab_size": 25000, "layers": 12, "hidden": 384}
+    ctx = type("Ctx", (), {"S": S, "args": args})()
+    claims_bert_jam.report(ctx, outcome)
+    docs = tmp_path / "docs"
+    assert (docs / "claims_bert_jam_bleu_by_size.png").read_bytes()[:4] == b"\x89PNG"
+    return json.load(open(docs / "claims.json"))["bert_jam"], (docs / "CLAIMS.md").read_text()
+
+
+def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
+    base = {"0.1": 5.0, "0.3": 6.0}
+    rec, md = _bert_jam_report(tmp_path / "miss", {2000: (base, [7.0, 8.0, 9.5, 8.5]),
+                                                   8000: ({"0.1": 12.0, "0.3": 11.0}, [12.0, 13.0, 14.0, 13.5])})
+    assert rec["gap_test"] == {"2000": 3.5, "8000": 2.0} and rec["phase3_minus_control_test"]["2000"] == 1.0
+    assert rec["verdict"] == "not reproduced" and "Missed at 8000 verses" in rec["reason"]
+    assert rec["not_run"] == [29080] and "29080 verses (target +0.0)" in rec["reason"]
+    assert rec["sizes"]["8000"]["baseline"] == {"dropout": 0.1, "valid_beam4": 13.0, "test_beam4": 12.0,
+                                                "valid_by_dropout": {"0.1": 13.0, "0.3": 12.0}}
+    assert "| Transformer (chosen on valid) | 0.3 | 7.00 | 6.00 | 500 | plateau |" in md
+    assert "| Transformer | 0.1 | 6.00 | - |" in md  # the other dropout is never decoded on test
+    assert "| BERT-JAM phase 3 | 0.3 | 10.50 | 9.50 | 500 | fixed |" in md
+    rec, _ = _bert_jam_report(tmp_path / "hit", {2000: (base, [7.0, 8.0, 9.0, 8.5]),
+                                                 8000: (base, [7.0, 8.0, 9.0, 8.5]),
+                                                 29080: (base, [5.0, 5.5, 6.0, 6.5])})
+    assert rec["verdict"] == "reproduced" and rec["not_run"] == [] and rec["gap_test"]["29080"] == 0.0
