@@ -72,7 +72,11 @@ def train_summary(log):
         raise ClaimsError(f"{log}: no training records")
     wps = sorted(float(r["wps"]) for r in inner[1:] or inner)
     curve = [(int(float(r["valid_num_updates"])), float(r["valid_loss"])) for r in valid if "valid_num_updates" in r]
+    walls, total = [float(r.get("wall", 0)) for r in inner], 0.0
+    for prev, cur in zip(walls, walls[1:] + [0.0]):  # fairseq's wall restarts in a resumed process
+        total += prev if cur < prev else 0.0
     return {"updates": int(float(inner[-1]["num_updates"])), "train_tokens_per_s": wps[len(wps) // 2],
+            "train_minutes": round(total / 60, 1),
             "train_loss_last": float(inner[-1]["loss"]), "valid_curve": curve,
             "valid_loss_best": min((l for _, l in curve), default=None),
             "train_curve": [(int(float(r["num_updates"])), float(r["loss"])) for r in inner]}
@@ -166,6 +170,13 @@ def eval_job(name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, 
 
     return Job(name, run, {"decodes": decodes, "task": task, **(settings or {})}, deps, threads,
                what=f"sacreBLEU of {name}")
+
+
+def trained(S, name):
+    """A training job's result with its summary read again from its log (so that a resumed training counts the
+    minutes of every process that trained it)."""
+    log = S.log(name, "train.log")
+    return {**S.result(name), **(train_summary(log) if os.path.exists(log) else {})}
 
 
 def result_or_none(path):

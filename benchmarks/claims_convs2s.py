@@ -16,7 +16,7 @@ it reached within the minutes the faster one needed for all its updates).
 
 import os
 
-from claims_common import adam_args, eval_job, plateau_args, train_job
+from claims_common import adam_args, eval_job, plateau_args, train_job, trained
 from claims_jobs import Job
 
 PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
@@ -73,7 +73,7 @@ class ConvS2S:
         S.run_all([f"{n}-eval" for n in pilots])
         scored = sorted(((S.result(f"{n}-eval")["bleu_valid_greedy"], n) for n in pilots), reverse=True)
         lr = float(scored[0][1].rsplit("lr", 1)[1])
-        self.ctx.say("convs2s: LSTM pilots on valid (greedy BLEU): " + ", ".join(f"{n[20:]} {b:.2f}"
+        self.ctx.say("convs2s: LSTM pilots on valid (greedy BLEU): " + ", ".join(f"lr {n.rsplit('lr', 1)[1]} {b:.2f}"
                                                                                for b, n in scored) + f" -> lr {lr}")
         runs = {"convs2s-fconv": self.fconv("True"), "convs2s-lstm": self.lstm(lr),
                 "convs2s-fconv-lastattn": self.fconv("[False, False, True]")}
@@ -137,14 +137,14 @@ def report(ctx, outcome):
               "convs2s-fconv-lastattn": "fconv_glu, attention in the last decoder layer only"}
     rows, rec = [], {}
     for n, label in labels.items():
-        tr, ev = S.result(n), S.result(f"{n}-eval")
+        tr, ev = trained(S, n), S.result(f"{n}-eval")
         rows.append([label, f"{ev.get('params', 0) / 1e6:.2f}", R.fmt(ev["bleu_valid_beam4"]),
                      R.fmt(ev["bleu_test_greedy"]), R.fmt(ev["bleu_test_beam4"]), tr["updates"],
-                     f"{tr['train_tokens_per_s']:.0f}", f"{tr['minutes']:.1f}"])
+                     f"{tr['train_tokens_per_s']:.0f}", f"{tr.get('train_minutes', tr['minutes']):.1f}"])
         rec[n[8:]] = {"params": ev.get("params"), "valid_beam4": ev["bleu_valid_beam4"],
                       "test_beam4": ev["bleu_test_beam4"], "test_greedy": ev["bleu_test_greedy"],
                       "updates": tr["updates"], "train_tokens_per_s": tr["train_tokens_per_s"],
-                      "minutes": round(tr["minutes"], 1)}
+                      "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
     eq = S.result("convs2s-equal-minutes")
     erows, eq_bleu = [], None
     if all("bleu_test_beam4" in eq.get(n, {}) for n in ("convs2s-fconv", "convs2s-lstm")):
@@ -159,8 +159,8 @@ def report(ctx, outcome):
 
 **Claim** (Table 1): a fully convolutional model with gated linear units and multi-step attention beats strong
 recurrent models (WMT'16 En-Ro {PAPER['en_ro']['convs2s']} vs {PAPER['en_ro']['gru_bpe_sennrich']}; WMT'14 En-De
-{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while training and translating faster; attention
-in every decoder layer beats attention in the last layer only (Table 5).
+{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while training and translating faster;
+attention in every decoder layer beats attention in the last layer only (Table 5).
 
 **Verdict: {v}.** {reason}
 

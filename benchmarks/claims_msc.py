@@ -14,7 +14,7 @@ and number of updates for all nine. Each is scored on the valid set (the learnin
 
 import os
 
-from claims_common import adam_args, eval_job, plateau_args, size_args, train_job
+from claims_common import adam_args, eval_job, plateau_args, size_args, train_job, trained
 from claims_jobs import Job
 
 # Table 2 of the paper (IWSLT'14 De->En, small models, BLEU): the 6-layer Transformer, MSC with 6 / 36 / 54 layers and
@@ -137,16 +137,17 @@ def report(ctx, outcome):
     for n in names:
         variant = n[4:].rstrip("0123456789")
         depth = int(n[4 + len(variant):])
-        tr, ev = S.result(n), S.result(f"{n}-eval")
+        tr, ev = trained(S, n), S.result(f"{n}-eval")
         bleu[(variant, depth)] = ev["bleu_test_beam4"]
         d = deg.get((variant, depth), {})
         rows.append([{"post": "post-norm transformer", "pre": "pre-norm transformer", "msc": "MSC"}[variant], depth,
                      R.fmt(ev["bleu_valid_beam4"]), R.fmt(ev["bleu_test_beam4"]), R.fmt(d.get("train_bleu")),
                      R.fmt(tr["valid_loss_best"], 3), R.fmt(tr["train_loss_last"], 3), tr["updates"],
-                     f"{tr['minutes']:.0f}"])
+                     f"{tr.get('train_minutes', tr['minutes']):.0f}"])
         record_models[n[4:]] = {"valid_beam4": ev["bleu_valid_beam4"], "test_beam4": ev["bleu_test_beam4"],
                                 "train_bleu": d.get("train_bleu"), "valid_loss_best": tr["valid_loss_best"],
-                                "updates": tr["updates"], "minutes": round(tr["minutes"], 1)}
+                                "updates": tr["updates"],
+                                "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
     v, reason = verdict(bleu, depths)
     curves = learning_curves(S, names, os.path.join(S.W, "msc_learning_curves.png"))
     figures = [curves] + ([os.path.join(S.W, "msc_degradation.png")]

@@ -16,7 +16,7 @@ with the teacher give Figure 6.
 import os
 
 from claims_common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, eval_job, plateau_args, size_args,
-                           train_job)
+                           train_job, trained)
 from claims_jobs import Job
 
 TEACHER = os.path.join(RELEASE_DE_EN, "transformer.pt")
@@ -179,7 +179,7 @@ def report(ctx, outcome):
 
     S, a = ctx.S, ctx.args
     ev = {n: S.result(f"{n}-eval") for n in outcome["students"]}
-    tr = {n: S.result(n) for n in outcome["students"]}
+    tr = {n: trained(S, n) for n in outcome["students"]}
     teacher = S.result("sat-teacher-eval")
     kd = {int(n[5:]): ev[n] for n in outcome["students"] if n[5:].isdigit()}
     k1 = kd.get(1, teacher)
@@ -195,7 +195,8 @@ def report(ctx, outcome):
         elif "-init-" in n:
             label += f", init {n.rsplit('-', 1)[1]}"
         ratio = (f"{100 * test_ratio[K][0]:.0f}% / {100 * test_ratio[K][1]:.0f}%" if n == f"sat-k{K}" else "")
-        rows.append([label, *(R.fmt(ev[n][k]) for k in keys), tr[n]["updates"], f"{tr[n]['minutes']:.0f}", ratio,
+        minutes = tr[n].get("train_minutes", tr[n]["minutes"])
+        rows.append([label, *(R.fmt(ev[n][k]) for k in keys), tr[n]["updates"], f"{minutes:.0f}", ratio,
                      f"{100 * PAPER['ratio_to_teacher'][str(K)]:.0f}%" if n == f"sat-k{K}" and K > 1 else "-"])
     speed = {(m["label"], m["beam"]): m["ms"] for m in S.result("sat-speed")["ms"]}
     srows = []
@@ -305,7 +306,8 @@ Mean cross-entropy by position inside a group: {"; ".join(f"{m['label']}: " + " 
               "paper_ratio_to_teacher": {k: round(v, 4) for k, v in PAPER["ratio_to_teacher"].items()},
               "targets": TARGET, "teacher": {k: teacher[k] for k in keys},
               "students": {n: {**{k: ev[n][k] for k in keys}, "updates": tr[n]["updates"],
-                               "minutes": round(tr[n]["minutes"], 1)} for n in outcome["students"]},
+                               "minutes": round(tr[n].get("train_minutes", tr[n]["minutes"]), 1)}
+                           for n in outcome["students"]},
               "speed_ms": {f"{lab} beam {b}": ms for (lab, b), ms in speed.items()},
               "init": outcome["init"], "lr": outcome["lr"], "pilots_valid_greedy": pilots,
               "command": R.command(a, "sat")}
