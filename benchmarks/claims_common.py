@@ -61,6 +61,22 @@ def json_records(log, kind):
     return out
 
 
+def update_walls(log):
+    """[(updates, wall seconds of training so far)] from a training log: fairseq's ``wall`` of each record, added up
+    over the processes of a training that was cut and resumed (each restarts its wall clock)."""
+    recs = [(r["num_updates"], r["wall"]) for r in json_records(log, "train_inner")]
+    if not recs:  # fewer updates than --log-interval: the epoch records
+        recs = [(r["train_num_updates"], r["train_wall"]) for r in json_records(log, "train")]
+    out, offset, last = [], 0.0, 0.0
+    for updates, wall in recs:
+        wall = float(wall)
+        if wall < last:  # a new process
+            offset += last
+        last = wall
+        out.append((int(float(updates)), offset + wall))
+    return out
+
+
 def train_summary(log):
     """Updates, tokens/s (median), the valid-loss curve [(updates, loss)] and the best valid loss of a training log
     (``--log-format json``)."""
@@ -72,11 +88,9 @@ def train_summary(log):
         raise ClaimsError(f"{log}: no training records")
     wps = sorted(float(r["wps"]) for r in inner[1:] or inner)
     curve = [(int(float(r["valid_num_updates"])), float(r["valid_loss"])) for r in valid if "valid_num_updates" in r]
-    walls, total = [float(r.get("wall", 0)) for r in inner], 0.0
-    for prev, cur in zip(walls, walls[1:] + [0.0]):  # fairseq's wall restarts in a resumed process
-        total += prev if cur < prev else 0.0
+    walls = update_walls(log)
     return {"updates": int(float(inner[-1]["num_updates"])), "train_tokens_per_s": wps[len(wps) // 2],
-            "train_minutes": round(total / 60, 1),
+            "train_minutes": round(walls[-1][1] / 60, 1) if walls else None,
             "train_loss_last": float(inner[-1]["loss"]), "valid_curve": curve,
             "valid_loss_best": min((l for _, l in curve), default=None),
             "train_curve": [(int(float(r["num_updates"])), float(r["loss"])) for r in inner]}

@@ -85,12 +85,9 @@ class ConvS2S:
 
         def equal_minutes(job, S):
             """The checkpoint of each model at the minutes the faster of fconv / lstm needed for all its updates."""
-            from claims_common import json_records
+            from claims_common import update_walls
 
-            times = {}
-            for name in ("convs2s-fconv", "convs2s-lstm"):
-                recs = [r for r in json_records(S.log(name, "train.log"), "train_inner")]
-                times[name] = [(int(float(r["num_updates"])), float(r["wall"])) for r in recs]
+            times = {name: update_walls(S.log(name, "train.log")) for name in ("convs2s-fconv", "convs2s-lstm")}
             budget = min(t[-1][1] for t in times.values())
             out = {"minutes": round(budget / 60, 1)}
             interval = 10 if self.a.smoke else 250
