@@ -10,17 +10,7 @@
 #   4. evaluate every model on the test set with beam 4 and greedy (BLEU), and latency at batch size 1;
 #      the summary table (model, beam, BLEU, sentences/s) goes to $WORKDIR/results/summary.tsv.
 
-run() {
-  # print the command (shell-quoted); execute it unless --dry-run
-  printf '+'; printf ' %q' "$@"; printf '\n'
-  if [ "$DRY_RUN" != 1 ]; then "$@"; fi
-}
-run_to() {
-  # run_to FILE cmd...: like run, stdout to FILE
-  local out="$1"; shift
-  printf '+'; printf ' %q' "$@"; printf ' > %q\n' "$out"
-  if [ "$DRY_RUN" != 1 ]; then "$@" > "$out"; fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/run.sh"
 need() {
   if [ "$DRY_RUN" != 1 ] && [ ! -e "$1" ]; then
     echo "$(basename "$0"): $1 not found: $2" >&2; exit 2

@@ -29,15 +29,7 @@ while [ $# -gt 0 ]; do
     *) echo "speculative.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
   esac
 done
-run() {
-  printf '+'; printf ' %q' "$@"; printf '\n'
-  if [ "$DRY_RUN" != 1 ]; then "$@"; fi
-}
-run_to() {
-  local out="$1"; shift
-  printf '+'; printf ' %q' "$@"; printf ' > %q\n' "$out"
-  if [ "$DRY_RUN" != 1 ]; then "$@" > "$out"; fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/run.sh"
 DRAFTER="$WORKDIR/drafter/checkpoints/checkpoint_avg.pt"
 BIN="$WORKDIR/drafter/bin"
 GEN=(fairseq-generate "$BIN" --user-dir "$ROOT/fairseq_ext" --task translation_sat --source-lang de --target-lang en
