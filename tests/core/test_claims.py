@@ -195,3 +195,6 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
                                                  8000: (base, [7.0, 8.0, 9.0, 8.5]),
                                                  29080: (base, [5.0, 5.5, 6.0, 6.5])})
     assert rec["verdict"] == "reproduced" and rec["not_run"] == [] and rec["gap_test"]["29080"] == 0.0
+    rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, [7.0, 8.0, 9.0, 8.5])})
+    assert rec["verdict"] == "not testable at this scale" and rec["not_run"] == [8000, 29080]
+    assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +3.0)" in rec["reason"]
