@@ -3,15 +3,13 @@ models of ``bench_sat.py --random-init`` (the quickstart's sizes, random weights
 exactly --length words + EOS, and each part of ``generate`` is timed where it runs:
 
 * the encoder and the search's buffers (``_start``), per sentence;
-* the decoder call (layers, softmax projection, and the log-softmax on PyTorch's path: ``decode_group``);
-* the log-softmax as the search kernel reads it (``_logits_top``: top B, EOS, fairseq's rules), the group step
-  (``_enumerated_group`` / ``_pruned_group``), the reorder (``_reorder``) and, on PyTorch's path, the rules
-  (``_constrain``);
-* the rest of the search (on PyTorch's path the top B, EOS; bookkeeping): the sentence's time less the parts above.
+* the decoder call (layers, softmax projection, log-softmax: ``decode_group``);
+* fairseq's rules (``_constrain``), the group step (``_enumerated_group`` / ``_pruned_group``) and the reorder
+  (``_reorder``);
+* the rest of the search (the top B, EOS; bookkeeping): the sentence's time less the parts above.
 
-The generator takes its defaults: the lean decoder step and :mod:`fairseq_ext.sat.search_kernels` where they run
-(``--no-lean-step``: the decoder's own step and PyTorch's log-softmax). Then the reorder
-alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
+The generator takes its default, the lean decoder step (``--no-lean-step``: the decoder's own step). Then the
+reorder alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
 ``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.
 ``--profile K`` also prints, from ``torch.profiler`` over one more pass, the operators whose self time per
 decoder call grows most from K=1 to K.
@@ -38,10 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_beam_rows import best_us  # noqa: E402
 from bench_sat_contenders import build_random_models, random_sources  # noqa: E402
 
-PARTS = [("decode", "decoder call (layers, softmax projection[, log-softmax])"),
-         ("top", "log-softmax read by the kernel: top B, EOS, rules"), ("step", "group step"),
-         ("reorder", "reorder"), ("constrain", "constraints (PyTorch's path)"),
-         ("rest", "the rest of the search (top B on PyTorch's path, ...)")]
+PARTS = [("decode", "decoder call (layers, softmax projection, log-softmax)"),
+         ("constrain", "fairseq's rules (pad, --min-len, --max-len, ...)"), ("step", "group step"),
+         ("reorder", "reorder"), ("rest", "the rest of the search (top B, EOS, bookkeeping)")]
 
 
 def timed(acc, key, fn):
@@ -66,8 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--profile", type=int, choices=[2, 4, 6], help="operator self times, K=1 against this K")
     p.add_argument("--no-lean-step", action="store_true",
-                   help="the decoder's own step and PyTorch's log-softmax instead of the generator's defaults "
-                        "(--no-lean-step)")
+                   help="the decoder's own step instead of the generator's default lean step (--no-lean-step)")
     a = p.parse_args(argv)
     if min(a.beam, a.length, a.sentences, a.repeat, a.threads) < 1:
         p.error("--beam, --length, --sentences, --repeat and --threads must be positive")
@@ -87,7 +83,6 @@ def timed_generators(a, models, task, samples, names):
         acc = accs[name] = collections.defaultdict(float)
         g.model.decode_group = timed(acc, "decode", g.model.decode_group)
         for method, key in (("_start", "encoder"), ("_reorder", "reorder"), ("_constrain", "constrain"),
-                            ("_logits_top", "top"),
                             ("_enumerated_group", "step"), ("_pruned_group", "step")):
             setattr(g, method, timed(acc, key, getattr(g, method)))
         gens[name] = (g, m)

@@ -1,4 +1,4 @@
-"""The kernel choices of the opt-in decoding flags, measured (parts 5 and 6: docs/sat_transformer.md, "The kernels
+"""The kernel choices of the opt-in decoding flags, measured (part 5: docs/sat_transformer.md, "The AMX int8 kernel
 in isolation"):
 
 1. int8 softmax projection (``int8-decoder`` / ``int8-output``): fbgemm (PyTorch's dynamic quantisation) against
@@ -13,17 +13,12 @@ in isolation"):
 5. ``amx-int8-decoder`` / ``amx-int8-encoder``: each product of the model (d x d, the fused 3d x d q/k/v, d x FFN,
    FFN x d, the V x d softmax projection) by row count, PyTorch's dynamically quantised ``Linear`` (fbgemm) against
    :class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`, with each one's largest error against the float32 product
-   relative to the output's largest value. Skipped, with a line, where the AMX kernel cannot run;
-6. the SAT generator's search kernels: (a) the log-softmax a beam step reads, PyTorch's path (log-softmax, pad and
-   EOS masked, EOS kept, ``top_b``) against :func:`fairseq_ext.sat.search_kernels.log_softmax_top`, by row count
-   (--search-rows; the words checked equal, the largest value difference printed); (b) the group step of a beam of
-   --beam hypotheses, PyTorch's ops (K = 1: the pruned step, K > 1: the enumeration) against the C step, for
-   K = 1, 2, 4, 6 (checked equal). Skipped, with a line, where the kernels cannot run.
+   relative to the output's largest value. Skipped, with a line, where the AMX kernel cannot run.
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
                                        [--batches 1 16 64] [--beam 4] [--cached 10 30] [--qkv-rows 1 4 16 24]
                                        [--ffn 512] [--heads 4] [--layers 3] [--src-lens 10 25 50] [--threads 1]
-                                       [--search-rows 1 4 8 16 24 64 512] [--parts 1 2 3 4 5 6]
+                                       [--parts 1 2 3 4 5]
 
 Microseconds are the best of 5 timed repeats; ratios are measured in the same run. Part 1 also checks that both
 kernels give the same numbers (largest difference printed) and is skipped, with a line, where this PyTorch build
@@ -187,68 +182,6 @@ def amx_products(a):
                       f"{err_a:>8.1e}")
 
 
-def search_kernels_part(a):
-    import math
-
-    from fairseq_ext.sat import search_kernels
-    from fairseq_ext.sat.generator import _GroupSearch, top_b
-
-    B, pad, eos = a.beam, 1, 2
-    print(f"6a. the log-softmax a beam step reads ({a.vocab} words, top {B}): PyTorch's path against the kernel, "
-          f"{a.threads} thread(s)")
-    why = search_kernels.top_refusal()
-    if why:
-        print(f"   skipped: {why}")
-    else:
-        def pytorch(x):
-            lp = torch.log_softmax(x, -1)
-            lp[..., pad] = -math.inf
-            e = lp[..., eos].clone()
-            lp[..., eos] = -math.inf
-            return top_b(lp, B), e
-
-        g = torch.Generator().manual_seed(0)
-        print(f"{'rows':>5} {'PyTorch us':>11} {'kernel us':>10} {'x':>6} {'largest difference':>19}")
-        with torch.inference_mode():
-            for R in a.search_rows:
-                x = torch.randn(R, a.vocab, generator=g) * 3
-                (vals, words), e = pytorch(x)
-                kv, kw, ke = search_kernels.log_softmax_top(x, B, (pad, eos), eos)
-                assert torch.equal(words, kw), "the kernel chose other words"
-                diff = max((vals - kv).abs().max().item(), (e - ke).abs().max().item())
-                t_p = best_us(lambda: pytorch(x))
-                t_k = best_us(lambda: search_kernels.log_softmax_top(x, B, (pad, eos), eos))
-                print(f"{R:>5} {t_p:>11.1f} {t_k:>10.1f} {t_p / t_k:>5.2f}x {diff:>19.1e}")
-    print(f"6b. the group step, beam {B} (one sentence, {B} parents): PyTorch's ops against the C step")
-    why = search_kernels.refusal()
-    if why:
-        print(f"   skipped: {why}")
-        return
-    search = _GroupSearch.__new__(_GroupSearch)  # the steps read only their own caches and this flag
-    g = torch.Generator().manual_seed(1)
-    print(f"{'K':>3} {'PyTorch us':>11} {'C us':>7} {'x':>6}")
-    with torch.inference_mode():
-        for K in (1, 2, 4, 6):
-            cands = search._rank_tuples(B, K, torch.device("cpu"))
-            scores = -torch.rand(B, generator=g) * 5
-            vals = (-torch.rand(B, K, B, generator=g) * 4).sort(-1, descending=True).values
-            words = torch.randint(4, a.vocab, (B, K, B), generator=g)
-            eos_lp = -torch.rand(B, K, generator=g) * 2
-            args = (scores, vals, words, eos_lp, 1, B, K - 1, cands)
-            object.__setattr__(search, "native_group_step", False)
-            pytorch = search._pruned_group if K == 1 else search._enumerated_group
-            p_out = pytorch(*args)
-            t_p = best_us(lambda: pytorch(*args))
-            object.__setattr__(search, "native_group_step", True)
-            c_out = search._enumerated_group(*args)
-            t_c = best_us(lambda: search._enumerated_group(*args))
-            flat = torch.arange(B * p_out[3])
-            if K > 1:  # the same candidates in the same order: every number equal
-                assert torch.equal(p_out[2], c_out[2]) and all(
-                    torch.equal(u, v) for u, v in zip(p_out[4](flat), c_out[4](flat))), "the C step differs"
-            print(f"{K:>3} {t_p:>11.1f} {t_c:>7.1f} {t_p / t_c:>5.2f}x")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=8000)
@@ -263,20 +196,19 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--src-lens", type=int, nargs="+", default=[10, 25, 50])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--search-rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 64, 512])
-    p.add_argument("--parts", type=int, nargs="+", choices=range(1, 7), default=list(range(1, 7)),
+    p.add_argument("--parts", type=int, nargs="+", choices=range(1, 6), default=list(range(1, 6)),
                    help="which parts to run (default all)")
     a = p.parse_args(argv)
     if min([a.vocab, a.dim, a.beam, a.threads, a.ffn, a.heads, a.layers] + a.rows + a.batches + a.cached
-           + a.qkv_rows + a.src_lens + a.search_rows) < 1:
+           + a.qkv_rows + a.src_lens) < 1:
         p.error("--vocab, --dim, --rows, --batches, --beam, --cached, --qkv-rows, --ffn, --heads, --layers, "
-                "--src-lens, --search-rows and --threads must be positive")
+                "--src-lens and --threads must be positive")
     if a.dim % a.heads:
         p.error(f"--dim {a.dim} is not a multiple of --heads {a.heads}")
     torch.set_num_threads(a.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        for i, part in enumerate((int8_rows, reorders, int8_qkv, encoder_layers, amx_products, search_kernels_part)):
+        for i, part in enumerate((int8_rows, reorders, int8_qkv, encoder_layers, amx_products)):
             if i + 1 in a.parts:
                 part(a)
 

@@ -8,9 +8,8 @@ Contenders, all in this one process, measured interleaved (each sentence / batch
 contender in turn, in a rotating random order) so that the load of the machine affects all alike:
 
 * ``ours K=1``: our generator (:mod:`fairseq_ext.sat.generator`, whatever it holds when this runs: its default
-  lean decoder step and :mod:`fairseq_ext.sat.search_kernels` included; ``--float-opt own-step`` adds the decoder's
-  own step with PyTorch's log-softmax, i.e. ``--no-lean-step``) on the transformer: the baseline of every
-  speed-up; the JSON records each generator's ``decoder_step`` and ``search_kernels``;
+  lean decoder step included; ``--float-opt own-step`` adds the decoder's own step, i.e. ``--no-lean-step``) on
+  the transformer: the baseline of every speed-up; the JSON records each generator's ``decoder_step``;
 * anchors: (a) fairseq's ``SequenceGenerator`` on the same transformer; (b) the same transformer converted to
   CTranslate2 (``pip install --no-deps ctranslate2==4.8.5``; int8 and float32; skipped with a note when
   ctranslate2 is missing), what a user who wants fast CPU decoding picks; (c) a deep-encoder / shallow-decoder
@@ -136,7 +135,7 @@ def parse_args(argv=None):
                         "fairseq_ext.inference.speedups: 'prepack' (the softmax projection through MKL's packed "
                         "GEMM), 'lean' (the lean decoder step mixed into the decoder and the lean encoder layers), "
                         "'lean-prepack', 'lean-decoder' (the lean step alone), or 'own-step' (the decoder's own step "
-                        "and PyTorch's log-softmax instead of the generator's defaults: --no-lean-step); repeatable")
+                        "instead of the generator's default lean step: --no-lean-step); repeatable")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="also measure our K=1 with fairseq_ext/sat/generator.py as committed at this git revision")
     p.add_argument("--no-ct2", action="store_true", help="leave out the CTranslate2 anchors")
@@ -454,7 +453,6 @@ def main(argv=None):
             step = c.decoder_step(beam)
             if step is not None:
                 r["decoder_step"] = step
-                r["search_kernels"] = c.search_kernels(beam)
             if c.of is not None:  # agreement with the float model's hypotheses (int8 variants), ours K=1 (ct2)
                 ref = hyps[names.index(c.of.name)]
                 same_pos = sum(sum(a == b for a, b in zip(h, g)) for h, g in zip(hyps[j], ref))

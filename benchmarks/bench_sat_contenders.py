@@ -131,14 +131,6 @@ class Contender:
         uses = getattr(self._gens.get(beam), "uses_lean_step", None)
         return None if uses is None else ("lean" if uses else "own")
 
-    def search_kernels(self, beam):
-        """Which of fairseq_ext.sat.search_kernels our generator used ({"log_softmax_top": bool, "group_step": bool}),
-        None for the others."""
-        gen = self._gens.get(beam)
-        if getattr(gen, "native_group_step", None) is None:
-            return None
-        return {"log_softmax_top": bool(gen.reads_top_only), "group_step": bool(gen.native_group_step)}
-
     def _decode_ct2(self, sample, beam, gen_opts):
         src, lens = sample["net_input"]["src_tokens"], sample["net_input"]["src_lengths"].tolist()
         pad = self.src_dict.pad()

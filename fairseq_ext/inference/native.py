@@ -1,9 +1,8 @@
-"""The C libraries of ``inference/kernels/`` and ``sat/kernels/`` (:mod:`fairseq_ext.inference.amx_int8`,
-:mod:`fairseq_ext.sat.search_kernels`): built with the system C compiler on first use, cached, loaded once, or
-refused with one line that says why (the callers then keep PyTorch's ops).
+"""The C library of ``inference/kernels/`` (:mod:`fairseq_ext.inference.amx_int8`): built with the system C compiler
+on first use, cached, loaded once, or refused with one line that says why (the callers then keep PyTorch's ops).
 
-``FAIRSEQ_EXT_NATIVE=0`` turns all of it off: nothing is compiled or loaded, every decode runs PyTorch's ops
-(read when a library is first needed in a process). ``CC`` picks the compiler (default ``cc``); a compiler that
+``FAIRSEQ_EXT_NATIVE=0`` turns all of it off: nothing is compiled or loaded, and the ``amx-int8-*`` speed-ups are
+refused with one line (read when a library is first needed in a process). ``CC`` picks the compiler (default ``cc``); a compiler that
 has not finished after :data:`COMPILE_TIMEOUT_S` seconds is stopped (with everything it started) and the library
 refused. ``FAIRSEQ_EXT_CACHE`` (default ``~/.cache/fairseq_ext``; without a home directory a new private
 directory of the process, ``tempfile.mkdtemp``) holds the built libraries, each named by a hash of its source,

@@ -10,8 +10,6 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
     generator.py    the semi-autoregressive generator (greedy and group beam search) and
                     :func:`~fairseq_ext.sat.generator.build_sat_generator`
     group_step.py   the beam's group step: the exact top B K-word continuations (enumerated or pruned)
-    search_kernels.py  two parts of the search in C (``kernels/search_kernels.c``): the log-softmax read as its
-                    B best words and EOS, and the enumerated group step
     task.py         ``--task translation_sat``: fairseq's translation task with that generator
     speculative.py  ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of an autoregressive verifier
                     with a SAT drafter

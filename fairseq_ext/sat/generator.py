@@ -31,8 +31,7 @@ import torch
 from torch import Tensor
 
 from fairseq import search, utils
-from fairseq.models import BaseFairseqModel, FairseqDecoder, FairseqIncrementalDecoder
-from fairseq.models.transformer import TransformerModelBase
+from fairseq.models import FairseqIncrementalDecoder
 from fairseq.tasks.translation import TranslationTask
 from fairseq.sequence_generator import (
     EnsembleModelWithAlignment,
@@ -43,7 +42,6 @@ from fairseq.sequence_generator import (
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_refusal,
                                                lean_step, only_lean_state, reorder_lean_state)
-from fairseq_ext.sat import search_kernels
 from fairseq_ext.sat.group_step import GroupStep
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
@@ -99,12 +97,11 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     def uses_lean_step(self) -> bool:
         return self._lean_refusal is None and float32_on_cpu(self.single_model.decoder)
 
-    def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0,
-                     normalize: bool = True):
+    def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
         multiple of K), a view of the search's buffer: the decoder embeds only its K uncached positions.
-        Returns the log-probabilities [N, K, V] of the next K words (``normalize=False``: the logits, divided by
-        ``temperature``) and the attention [N, K, src_len] or None."""
+        Returns the log-probabilities [N, K, V] of the next K words (of the logits divided by ``temperature``) and
+        the attention [N, K, src_len] or None."""
         K = self.group_size
         self.decoder_calls += 1
         decoder = self.single_model.decoder
@@ -120,22 +117,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         attn = extra["attn"][0] if isinstance(extra, dict) and extra.get("attn") else None
         if attn is not None and attn.size(1) != K:
             attn = attn[:, -K:, :]
-        if normalize:
-            x = self.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None)
-        return x, attn
-
-
-def plain_log_softmax(model) -> bool:
-    """Whether ``model.get_normalized_probs(net_output, log_probs=True)`` is fairseq's ``utils.log_softmax`` of the
-    logits (no adaptive softmax, no override), so that :mod:`fairseq_ext.sat.search_kernels` may read it instead."""
-    decoder = getattr(model, "decoder", None)
-    return (type(model).get_normalized_probs in (BaseFairseqModel.get_normalized_probs,
-                                                 TransformerModelBase.get_normalized_probs)
-            and type(model).get_normalized_probs_scriptable is BaseFairseqModel.get_normalized_probs_scriptable
-            and isinstance(decoder, FairseqDecoder)
-            and type(decoder).get_normalized_probs is FairseqDecoder.get_normalized_probs
-            and type(decoder).get_normalized_probs_scriptable is FairseqDecoder.get_normalized_probs_scriptable
-            and getattr(decoder, "adaptive_softmax", None) is None and not getattr(decoder, "onnx_trace", False))
+        return self.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None), attn
 
 
 class _GroupSearch(GroupStep, SequenceGenerator):
@@ -191,33 +173,6 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         if self.token_indices_to_suppress is not None:
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
-
-    def _logits_top(self, x: Tensor, B: int, step: int, max_len: int):
-        """What a step reads of the log-softmax of the logits ``x`` [N, K, V], through
-        :func:`fairseq_ext.sat.search_kernels.log_softmax_top`: the B best non-EOS, non-pad log-probabilities and
-        their words [N, K, B] and the EOS log-probabilities [N, K], with fairseq's rules of :meth:`_constrain`
-        applied to them (nothing else reads the rest of the row: the kernel runs only without --unkpen, token
-        suppression and --no-repeat-ngram-size). None where the kernel leaves a row to PyTorch (not finite), and
-        for over ``SERIAL_MAX_ROWS`` rows with more than two threads (PyTorch's ops are parallel)."""
-        if x.dtype is not torch.float32 or not x.is_cpu or (
-                x.numel() > search_kernels.SERIAL_MAX_ROWS * x.size(-1) and torch.get_num_threads() > 2):
-            return None
-        top = search_kernels.log_softmax_top(x, B, (self.pad, self.eos), self.eos)
-        if top is None:
-            return None
-        vals, words, eos_lp = top
-        last = max(max_len - step, 0)
-        if last < vals.size(1):  # positions with step + k >= max_len: only EOS
-            vals[:, last:] = -math.inf
-        if step < self.min_len:  # positions with step + k < min_len: no EOS
-            eos_lp[:, : self.min_len - step] = -math.inf
-        return vals, words, eos_lp
-
-    def _top_only_now(self) -> bool:
-        """Whether this search reads the log-softmax through the kernel: a float32 model on the CPU and
-        ``reads_top_only`` (looked up, and the library built, only here: a search that cannot use it never builds
-        it)."""
-        return float32_on_cpu(self.model.single_model.decoder) and self.reads_top_only
 
     def _reorder(self, state, encoder_outs, rows: Tensor):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
@@ -285,21 +240,13 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         alive: List[int] = list(range(bsz))  # row -> sentence
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         k_index = torch.arange(K, device=tokens.device)
-        top_only = self._top_only_now()
         for step in range(0, n_steps, K):
-            x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
-                                                    normalize=not top_only)
-            top = self._logits_top(x, 1, step, max_len) if top_only else None
-            if top is not None:  # the best non-EOS word, or EOS where it scores at least as high (max's first index)
-                vals, words, eos_lp = top
-                take_eos = (eos_lp > vals[:, :, 0]) | ((eos_lp == vals[:, :, 0]) & (words[:, :, 0] > self.eos))
-                best_lp = torch.where(take_eos, eos_lp, vals[:, :, 0])  # [n, K]
-                best = words[:, :, 0].masked_fill(take_eos, self.eos)
-            else:
-                lprobs = self._constrain(utils.log_softmax(x, dim=-1) if top_only else x, step, max_len)
-                best_lp, best = lprobs.max(dim=-1)  # [n, K]
-                if self._selected_nan(best_lp):
-                    best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
+            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
+                                                         self.temperature)
+            lprobs = self._constrain(lprobs, step, max_len)
+            best_lp, best = lprobs.max(dim=-1)  # [n, K]
+            if self._selected_nan(best_lp):
+                best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
             tokens[:, K + step: 2 * K + step] = best
             # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
             prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
@@ -344,31 +291,25 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         sents: List[int] = list(range(bsz))  # sentence of each block of P rows
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         P = 1
-        # the group step, chosen once per search: the enumeration, in one C call where the kernel runs
-        # (native_group_step); in PyTorch ops K = 1 (one position, fairseq's beam) prunes with a single top B, fewer
-        # ops than the enumeration; so does a beam with too many rank tuples
-        cands = self._rank_tuples(B, K, dev) if K > 1 or self._group_step_in_c(B, dev) else None
+        # the group step, chosen once per search: the enumeration; K = 1 (one position, fairseq's beam) prunes with
+        # a single top B, fewer ops than the enumeration; so does a beam with too many rank tuples
+        cands = self._rank_tuples(B, K, dev) if K > 1 else None
         enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
         group_step = self._enumerated_group if enumerate_ else self._pruned_group
-        top_only = self._top_only_now()
         for step in range(0, n_steps, K):
             n = len(sents)
-            x, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state, self.temperature,
-                                                    normalize=not top_only)
-            # per position, the B best non-EOS words [N, K, B] and EOS [N, K]: read by the kernel, or PyTorch's
-            top = self._logits_top(x, B, step, max_len) if top_only else None
-            if top is not None:
-                vals, words, eos_lp = top
-            else:
-                lprobs = self._constrain(utils.log_softmax(x, dim=-1) if top_only else x, step, max_len)
-                if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
-                    lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
-                eos_lp = lprobs[:, :, eos].clone()  # [N, K]
-                lprobs[:, :, eos] = -math.inf
-                vals, words = top_b(lprobs, B)
-                if self._selected_nan(vals, eos_lp):
-                    self._nan_to_neg_inf(eos_lp)
-                    vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
+            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
+                                                         self.temperature)
+            # per position, the B best non-EOS words [N, K, B] and EOS [N, K]
+            lprobs = self._constrain(lprobs, step, max_len)
+            if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
+                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+            eos_lp = lprobs[:, :, eos].clone()  # [N, K]
+            lprobs[:, :, eos] = -math.inf
+            vals, words = top_b(lprobs, B)
+            if self._selected_nan(vals, eos_lp):
+                self._nan_to_neg_inf(eos_lp)
+                vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
             if group_attn is not None and attn is None:
                 attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
             last = min(K - 1, max_len - step)  # positions after --max-len are never reached
@@ -428,16 +369,9 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     :func:`~fairseq_ext.inference.lean_decoder.lean_refusal` finds nothing against the decoder, ``float32_on_cpu``
     and :func:`~fairseq_ext.inference.lean_decoder.lean_applies` allow (fairseq's and the SAT's transformer
     decoders, float32 on the CPU); ``lean_step=False``
-    (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is.
-    :mod:`fairseq_ext.sat.search_kernels` (C, where a C compiler builds it; the log-softmax kernel on CPUs with
-    AVX-512F): with
-    ``lean_step`` and without --unkpen, token suppression or --no-repeat-ngram-size, the search reads each row's
-    log-softmax through its kernel (the B best words and EOS, within 1e-6 + 2.4e-7 |v| of the exact value v in
-    ``tests/sat/test_search_kernels.py``; ``reads_top_only``), and
-    the enumerated group step runs in one C call with the same numbers as its PyTorch ops
-    (``native_group_step``; then K = 1 takes the enumeration too). Both attributes may be set to False; they are
-    looked up (and the library built) when a search of a float32 CPU model first needs them, so a greedy decode
-    with ``--no-lean-step`` or a model on another device or dtype never builds it.
+    (``--no-lean-step``) runs the decoder's own step. ``uses_lean_step`` says which it is. The search runs on
+    PyTorch's ops (the log-softmax, fairseq's rules, :func:`top_b` and the group steps of
+    :mod:`fairseq_ext.sat.group_step`).
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
@@ -453,13 +387,6 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         if type(self.search) is not search.BeamSearch:
             raise FairseqExtError("translation_sat supports beam search and greedy search only")
         self.left_pad_target = False
-        # the search reads the log-softmax through fairseq_ext.sat.search_kernels where nothing else needs the row,
-        # and runs the enumerated group step in one C call where the library runs here (same numbers); whether the
-        # library runs (built with the C compiler on first use) is looked up when a CPU search first needs it
-        self._top_only_wanted = (bool(lean_step) and self.unk_penalty == 0 and self.token_indices_to_suppress is None
-                                 and self.repeat_ngram_blocker is None and plain_log_softmax(self.model.single_model))
-        self._reads_top_only: Optional[bool] = None
-        self._native_group_step: Optional[bool] = None
         self.print_alignment = print_alignment
         self._reorder_modules = None
         if print_alignment == "soft":
@@ -472,30 +399,6 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     def uses_lean_step(self) -> bool:
         """Whether decoder calls take the lean step now (see the class docstring)."""
         return self.model.uses_lean_step
-
-    @property
-    def reads_top_only(self) -> bool:
-        """Whether a CPU float32 search reads each row's log-softmax through :func:`search_kernels.log_softmax_top`
-        (evaluated on first read: the library is built then; may be set)."""
-        if self._reads_top_only is None:
-            self._reads_top_only = self._top_only_wanted and search_kernels.top_refusal() is None
-        return self._reads_top_only
-
-    @reads_top_only.setter
-    def reads_top_only(self, value: bool):
-        self._reads_top_only = bool(value)
-
-    @property
-    def native_group_step(self) -> bool:
-        """Whether a CPU beam search runs the enumerated group step in C (evaluated on first read: the library is
-        built then; may be set)."""
-        if self._native_group_step is None:
-            self._native_group_step = search_kernels.refusal() is None
-        return self._native_group_step
-
-    @native_group_step.setter
-    def native_group_step(self, value: bool):
-        self._native_group_step = bool(value)
 
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
         if kwargs.get("prefix_tokens") is not None:
@@ -578,7 +481,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
         return gen
     gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
     logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
-                f"{'lean' if gen.uses_lean_step else 'own'}; search kernels: {kernels_in_use(gen, beam)}")
+                f"{'lean' if gen.uses_lean_step else 'own'}")
     return gen
 
 
@@ -598,14 +501,3 @@ def _check_decodable(model):
         f"{where}: --task translation_sat decodes a sat_transformer or a fairseq transformer, not a "
         f"{type(model).__name__} ({type(decoder).__name__}); decode it with --task translation")
 
-
-def kernels_in_use(gen, beam: int) -> str:
-    """What the log line says of the search kernels; looks them up (and builds the library) only where the search
-    will use them: a float32 model on the CPU, the group step for a beam."""
-    if not float32_on_cpu(gen.model.single_model.decoder):
-        return "not used (the model is not float32 on the CPU)"
-    top = gen.reads_top_only
-    group = beam > 1 and gen.native_group_step
-    why = search_kernels.top_refusal() if gen._top_only_wanted and not top else None
-    return (f"log-softmax top B {'yes' if top else 'no'}, group step "
-            f"{('yes' if group else 'no') if beam > 1 else 'unused (greedy)'}" + (f" ({why})" if why else ""))

@@ -26,11 +26,9 @@ import math
 
 import torch
 
-from fairseq_ext.sat import search_kernels
-
 
 class GroupStep:
-    """The group steps, mixed into the generator (they read ``native_group_step`` and the generator's caches)."""
+    """The group steps, mixed into the generator (they read the generator's caches)."""
 
     # A group step returns (fin_list, ended, alive, X, chosen) for rows ``sentence * P + parent``:
     #   fin_list[j][s]: the candidates that end at position j among sentence s's top B at that length, in rank
@@ -94,30 +92,12 @@ class GroupStep:
                           (lengths != K).view(1, C))
         return cache[key][1:]
 
-    def _group_step_in_c(self, B: int, device) -> bool:
-        """Whether the enumerated step runs as one C call (:func:`fairseq_ext.sat.search_kernels.enumerated_group`)."""
-        return device.type == "cpu" and B <= search_kernels.GROUP_MAX_BEAM and self.native_group_step
-
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
         one cumulative sum and one top-B for all positions, instead of a prune per position."""
         ranks, lengths, length_list = cands
         N, K, B = vals.shape
         C, J = ranks.size(0), last + 1
-        if self._group_step_in_c(B, vals.device):
-            # the same step in one C call (the same float32 numbers): candidates as parent * C + c
-            cum, c_words, end, alive, fin = search_kernels.enumerated_group(scores, vals, words, eos_lp, n, P, J,
-                                                                            ranks, lengths)
-
-            def ended_c(j, s, i):
-                row, c = s * P + i // C, i % C
-                L = length_list[c]
-                return row, c_words[row, c, :L], torch.cat([cum[row, c, :L], end[row, c: c + 1]])
-
-            def chosen_c(flat):
-                return c_words.view(-1, K).index_select(0, flat), cum.view(-1, K).index_select(0, flat)
-
-            return fin.tolist(), ended_c, alive, C, chosen_c
         index, n_ends, slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, J)
         idx = ranks.t().unsqueeze(0).expand(N, K, C)
         cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
@@ -158,6 +138,7 @@ class GroupStep:
         pre_words = words[:, 0].unsqueeze(2)  # [N, B, 1]
         ended_at = []  # per position j: (cumulative scores [N, F, j+1], words [N, F, j]) of hypotheses ending at j
         ranked = []  # per position j: top B (score, index) per sentence over the ending ones and the prefixes
+        prev_cum, prev_words = pre_cum, pre_words  # the prefixes of length j, read from j = 1 on
         for j in range(last + 1):
             if j == 0:
                 end_cum = (scores + eos_lp[:, 0]).view(-1, 1, 1)

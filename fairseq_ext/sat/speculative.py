@@ -48,7 +48,6 @@ from fairseq.models.transformer import TransformerDecoderBase
 
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import cut_back, float32_on_cpu, reorder_rows_state, rows_refusal, rows_step
-from fairseq_ext.sat import search_kernels
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, group_size
 
@@ -254,14 +253,9 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
 
     def _verifier_choices(self, x: Tensor, extra, n: List[int], max_len: int):
         """The verifier's word and its log-probability at each position [B, T], whether the gap to the second best
-        is below eps, and the constrained log-probabilities (None where the search kernel read only the best
-        words: :meth:`_choices_from_top`)."""
+        is below eps, and the constrained log-probabilities."""
         if self.temperature != 1.0:
             x = x.div_(self.temperature)
-        if self.record is None and self._top_only_now():  # the greedy search's reading of the row, top 2
-            top = search_kernels.log_softmax_top(x, 2, (self.pad, self.eos), self.eos)
-            if top is not None:
-                return self._choices_from_top(*top, n, max_len)
         lprobs = self.model.single_model.get_normalized_probs((x, extra), log_probs=True, sample=None)
         lprobs = self._constrain_rows(lprobs.float() if lprobs.dtype != torch.float else lprobs, n, max_len)
         top, words = lprobs.topk(2, dim=-1)
@@ -270,20 +264,6 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
         # a single finite word (forced EOS) is clear
         unclear = (top[:, :, 0] - top[:, :, 1] < self.eps) & top[:, :, 1].ne(-math.inf)
         return words[:, :, 0], top[:, :, 0], unclear, lprobs
-
-    def _choices_from_top(self, vals: Tensor, words: Tensor, eos_lp: Tensor, n: List[int], max_len: int):
-        """:meth:`_verifier_choices` from the two best non-EOS words and EOS of each row (search_kernels: the rules
-        of --min-len / --max-len applied to those, as the greedy search applies them)."""
-        B, T = eos_lp.shape
-        if max(n) + T - 1 >= max_len or min(n) < self.min_len:
-            steps = torch.tensor(n, device=vals.device).view(B, 1) + torch.arange(T, device=vals.device)
-            vals = vals.masked_fill((steps >= max_len).unsqueeze(2), -math.inf)  # only EOS
-            eos_lp = eos_lp.masked_fill(steps < self.min_len, -math.inf)  # no EOS
-        best, which = torch.cat([eos_lp.unsqueeze(2), vals], 2).topk(2, dim=2)
-        first = which[:, :, 0]
-        word = torch.where(first.eq(0), self.eos, words.gather(2, (first - 1).clamp_(min=0).unsqueeze(2)).squeeze(2))
-        unclear = (best[:, :, 0] - best[:, :, 1] < self.eps) & best[:, :, 1].ne(-math.inf)
-        return word, best[:, :, 0], unclear, None
 
     def _output(self, decoder, x: Tensor) -> Tensor:
         """``decoder.output_layer(x)``: a float32 projection without bias as one product with the weight transposed

@@ -16,8 +16,7 @@ inside the model). What changes:
   the loaded models before decoding (fairseq-generate, fairseq-interactive);
 * the generator runs the decoder's incremental steps through the lean step of
   :mod:`fairseq_ext.inference.lean_decoder` where it computes the decoder exactly (float32 on the CPU; the model is
-  not changed); ``--no-lean-step`` runs the decoder's own step and PyTorch's log-softmax (the default reads it through
-  :mod:`fairseq_ext.sat.search_kernels` where that runs).
+  not changed); ``--no-lean-step`` runs the decoder's own step.
 """
 
 import logging
@@ -52,10 +51,7 @@ class TranslationSATConfig(TranslationConfig):
                           "step (fairseq_ext/inference/lean_decoder.py: the same float32 products, summed in "
                           "another order, ~1e-6) that the generator uses by default for fairseq's and the SAT's "
                           "transformer decoders in float32 on the CPU (after --inference-speedups lean-decoder the "
-                          "decoder's own step is the lean one), and with PyTorch's log-softmax instead of the search "
-                          "kernel that reads only the B best words and EOS of each row (fairseq_ext/sat/"
-                          "search_kernels.py, its own exponential: within 1e-6 + 2.4e-7 |v| of the exact value v in "
-                          "its tests; used without --unkpen where the CPU has AVX-512F)"})
+                          "decoder's own step is the lean one)"})
     sat_draft_path: Optional[str] = field(
         default=None,
         metadata={"help": "lossless speculative greedy decoding: this sat_transformer checkpoint drafts K words (its "

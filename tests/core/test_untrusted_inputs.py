@@ -154,16 +154,21 @@ def cli(tmp_path_factory):
     fake_cc = w / "fake-cc"  # a compiler that leaves a mark
     fake_cc.write_text(f"#!/bin/sh\ntouch {compiled}\nexit 1\n")
     fake_cc.chmod(0o755)
-    native_off = {"FAIRSEQ_EXT_CACHE": str(cache), "CC": str(fake_cc), "FAIRSEQ_EXT_NATIVE": "0"}
+    native_on = {"FAIRSEQ_EXT_CACHE": str(cache), "CC": str(fake_cc)}
+    native_off = dict(native_on, FAIRSEQ_EXT_NATIVE="0")
 
     def interactive(args, text=INPUT, env=None):
         return lambda: run_cli("interactive", args, input=text, check=False, env=env)
 
     jobs = {
         "lines": interactive(interactive_args(str(d), transformer) + ["--max-source-positions", "30"]),
-        # the SAT generator with the native switch off: PyTorch's ops, nothing compiled
+        # the SAT generator with the native switch off, then on: PyTorch's ops, nothing compiled either way
         "lines_sat": interactive(interactive_args(str(d), sat, "translation_sat") + ["--max-source-positions", "30"],
                                  env=native_off),
+        "sat_native_on": interactive(interactive_args(str(d), sat, "translation_sat"), "Der Herr.\n", native_on),
+        # the AMX kernel (the one native path) under the switch: refused, nothing compiled
+        "amx_native_off": interactive(interactive_args(str(d), sat, "translation_sat")
+                                      + ["--inference-speedups", "amx-int8-decoder"], "Der Herr.\n", native_off),
         "flip": interactive(interactive_args(str(d), flip, "translation_sat"), "Der Herr.\n"),
         "legacy_secret": interactive(interactive_args(str(d), str(w / "legacy_secret.pt")), "Der Herr.\n",
                                      {"FAIRSEQ_EXT_TEST_SECRET": SECRET}),
@@ -210,11 +215,17 @@ def test_interactive_keeps_going_after_a_line_that_is_too_long_and_reads_a_lone_
 
 # ------------------------------------------------------------------------------------------ 5. native switch
 
-def test_fairseq_ext_native_0_decodes_with_pytorch_and_compiles_nothing(cli):
-    """The SAT generator's run above, with FAIRSEQ_EXT_NATIVE=0 and a CC that would leave a mark."""
-    proc = cli["results"]["lines_sat"]
-    log = proc.stdout + proc.stderr
-    assert re.search(r"search kernels: .*native code turned off by FAIRSEQ_EXT_NATIVE=0", log), log[-3000:]
+def test_sat_decoding_compiles_nothing_and_fairseq_ext_native_0_refuses_the_amx_kernel(cli):
+    """With a CC that would leave a mark: the SAT generator decodes on PyTorch's ops with FAIRSEQ_EXT_NATIVE=0 (the
+    run above) and without it, and ``--inference-speedups amx-int8-decoder`` (the one flag that builds C) is refused
+    under the switch with one line naming the flag and the switch, on any CPU. Nothing is compiled, no cache made."""
+    for name in ("lines_sat", "sat_native_on"):
+        proc = cli["results"][name]
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "SAT generator: K=2, beam 2; decoder step: lean" in proc.stdout + proc.stderr, name
+        assert _outputs(proc.stdout), (name, proc.stdout[-2000:])
+    assert_one_line_error(cli["results"]["amx_native_off"], "amx-int8-decoder: AMX int8 kernel unavailable: native "
+                          "code turned off by FAIRSEQ_EXT_NATIVE=0")
     assert not cli["compiled"].exists() and not cli["cache"].exists()
 
 

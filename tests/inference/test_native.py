@@ -206,7 +206,6 @@ def test_without_a_home_directory_the_cache_is_a_new_private_directory(env, monk
 
 def test_fairseq_ext_native_0_turns_every_native_path_off(env, monkeypatch):
     from fairseq_ext.inference import amx_int8
-    from fairseq_ext.sat import search_kernels
 
     fake = env["tmp"] / "fake-cc"
     fake.write_text(f"#!/bin/sh\ntouch {env['tmp'] / 'compiled'}\nexit 1\n")
@@ -214,12 +213,9 @@ def test_fairseq_ext_native_0_turns_every_native_path_off(env, monkeypatch):
     monkeypatch.setenv("CC", str(fake))
     monkeypatch.setenv(native.SWITCH, "0")
     assert _refused(_library(env["src"])) == "tiny unavailable: native code turned off by FAIRSEQ_EXT_NATIVE=0"
-    for module in (search_kernels, amx_int8):
-        monkeypatch.setattr(module.LIBRARY, "lib", None)
-        monkeypatch.setattr(module.LIBRARY, "why", None)
-        assert module.refusal() == f"{module.LIBRARY.name} unavailable: native code turned off by FAIRSEQ_EXT_NATIVE=0"
-    monkeypatch.setattr(search_kernels, "_top_cpu", None)
-    assert search_kernels.top_refusal() == search_kernels.refusal()
+    monkeypatch.setattr(amx_int8.LIBRARY, "lib", None)
+    monkeypatch.setattr(amx_int8.LIBRARY, "why", None)
+    assert amx_int8.refusal() == "AMX int8 kernel unavailable: native code turned off by FAIRSEQ_EXT_NATIVE=0"
     assert not (env["tmp"] / "compiled").exists() and not env["cache"].exists()
 
 

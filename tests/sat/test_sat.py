@@ -148,7 +148,7 @@ def test_incremental_uneven_steps_and_reorder(K):
     enc = m.encoder(src, src_lengths)
     sat_in = sat_decoder_input(prev, K, DICT.eos())
     full, _ = m.decoder(sat_in, enc)
-    state, outs, start = {}, [], 0
+    state, outs = {}, []
     for end in [K, 3 * K, sat_in.size(1)]:
         out, _ = m.decoder(sat_in[:, :end], enc, incremental_state=state)
         outs.append(out)
@@ -227,9 +227,7 @@ def _same_hypos(a, b, what, atol=1e-5, attention=False):
 @pytest.mark.parametrize("beam,lenpen,unkpen", [(1, 1.0, 0.3), (2, 0.6, 0.3), (4, 1.0, 0.3), (5, 1.6, 0.3),
                                                 (1, 1.0, 0.0), (4, 0.6, 0.0)])
 def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, lean_step):
-    """Through the lean step (the generator's default) and through the decoder's own step; without --unkpen the
-    default also reads the log-softmax through fairseq_ext.sat.search_kernels (where it runs)."""
-    from fairseq_ext.sat import search_kernels
+    """Through the lean step (the generator's default) and through the decoder's own step."""
     sat = sat_model(1)
     ref = transformer_with_weights_of(sat)
     src, src_lengths, _, _ = _batch(bsz=4, src_len=6)
@@ -237,7 +235,6 @@ def test_k1_generator_equals_fairseq_sequence_generator(beam, lenpen, unkpen, le
     opts = dict(beam_size=beam, len_penalty=lenpen, max_len_a=1.0, max_len_b=6, min_len=2, unk_penalty=unkpen)
     gen = _gen([sat], lean_step=lean_step, **opts)
     assert gen.uses_lean_step == lean_step
-    assert gen.reads_top_only == (lean_step and unkpen == 0 and search_kernels.top_refusal() is None)
     ours = gen.generate([sat], sample)
     theirs = SequenceGenerator([ref], DICT, **opts).generate([ref], sample)
     _same_hypos(ours, theirs, f"beam {beam} lenpen {lenpen}", attention=True)
@@ -416,19 +413,20 @@ def _tiny_batch(bsz, seed):
 
 
 @pytest.mark.parametrize("K,beam", [(2, 2), (2, 3), (3, 2), (3, 3), (2, 1), (3, 1), (1, 3)])
-@pytest.mark.parametrize("step", ["enumerated", "enumerated-pytorch", "pruned"])
+@pytest.mark.parametrize("step", ["enumerated", "pruned"])
 def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeypatch):
     """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
     a group and rank in the top B at their length): equal to enumerating every continuation of every
     hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Every group step: the rank-tuple
-    enumeration (the default; in C where fairseq_ext.sat.search_kernels runs, else in PyTorch ops) and the
-    position-by-position prune (beams too wide for the enumeration). Without --unkpen the default reads the
-    log-softmax through the kernel."""
-    from fairseq_ext.sat import search_kernels
+    enumeration (the default for K > 1) and the position-by-position prune (K = 1, and beams too wide for the
+    enumeration)."""
     if step == "pruned":
         monkeypatch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
-    if step == "enumerated" and search_kernels.refusal() is not None:
-        pytest.skip(search_kernels.refusal())
+    ran = set()
+    for method in ("_enumerated_group", "_pruned_group"):
+        own = getattr(SATSequenceGenerator, method)
+        monkeypatch.setattr(SATSequenceGenerator, method,
+                            lambda self, *a, _own=own, _name=method: ran.add(_name) or _own(self, *a))
     checked_lengths = set()
     for seed in range(4):
         m = _tiny_sat(K, seed=100 * K + seed)
@@ -436,9 +434,6 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
         for lenpen, min_len, max_len, unkpen in ((1.0, 1, 7, 0.3), (0.6, 3, 8, 0.0)):
             gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, len_penalty=lenpen, max_len_a=0,
                                        max_len_b=max_len, min_len=min_len, unk_penalty=unkpen)
-            assert gen.native_group_step or step != "enumerated"
-            if step == "enumerated-pytorch":
-                gen.native_group_step = False
             ours = gen.generate([m], _sample(src, src_lengths))
             ref = _brute_force_group_search(m, src, src_lengths, K, beam, max_len, min_len, lenpen, unkpen)
             for s, (hs, rs) in enumerate(zip(ours, ref)):
@@ -452,6 +447,8 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
                     assert_close(h["positional_scores"], pos.float(), 1e-4, what)
                     checked_lengths.add(len(toks) % max(K, 2))
     assert len(checked_lengths) > 1  # hypotheses ending at different positions of a group were compared
+    # the step under test is the one that ran (the greedy loop has none)
+    assert ran == (set() if beam == 1 else {"_enumerated_group" if step == "enumerated" and K > 1 else "_pruned_group"})
 
 
 @pytest.mark.parametrize("B,K", [(1, 3), (2, 2), (3, 4), (4, 6), (5, 3)])
@@ -551,7 +548,6 @@ def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypat
             return lprobs.masked_fill(mask, fill), attn
         monkeypatch.setattr(SATEnsembleModel, "decode_group", poisoned)
         gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1)
-        gen.reads_top_only = False  # the log-probabilities above are what the search reads
         return gen.generate([m], _sample(src, src_lengths))
 
     expected = run(-math.inf)
@@ -849,7 +845,7 @@ def test_recipe_dry_run(recipe, tmp_path):
     assert "--task translation --arch transformer_" in cmds[0]
     assert "--gen-subset train" in cmds[2] and "--srcdict" in cmds[4]
     for K, c in zip((2, 4, 6), cmds[5:11:2]):
-        assert f"--task translation_sat --arch sat_transformer_" in c and f"--sat-group-size {K} " in c
+        assert "--task translation_sat --arch sat_transformer_" in c and f"--sat-group-size {K} " in c
         assert "--sat-init-from" in c and "data-bin-kd" in c
     evals = cmds[11:]
     assert sum("--beam 4 " in c for c in evals) == 8 and sum("--beam 1 " in c for c in evals) == 8
