@@ -149,6 +149,13 @@ def report(ctx, outcome):
                                 "updates": tr["updates"],
                                 "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
     v, reason = verdict(bleu, depths)
+    lo, hi = min(depths), max(depths)
+    train = {k: r.get("train_bleu") for k, r in deg.items()}
+    if all(train.get((var, d)) is not None for var in VARIANTS for d in (lo, hi)):
+        reason += (f" Figure 2's degradation is reproduced: BLEU on training pairs from {lo} to {hi} layers "
+                   + ", ".join(f"{var} {train[(var, lo)]:.2f} -> {train[(var, hi)]:.2f}" for var in VARIANTS)
+                   + f"; at {hi} layers MSC is {bleu[('msc', hi)] - bleu[('pre', hi)]:+.2f} test BLEU over the "
+                   "pre-norm transformer of its depth.")
     curves = learning_curves(S, names, os.path.join(S.W, "msc_learning_curves.png"))
     figures = [curves] + ([os.path.join(S.W, "msc_degradation.png")]
                           if os.path.exists(os.path.join(S.W, "msc_degradation.png")) else [])
