@@ -120,3 +120,10 @@ def assert_close(a, b, atol=1e-5, msg=""):
     assert a.shape == b.shape, f"{msg}: shapes {tuple(a.shape)} != {tuple(b.shape)}"
     diff = (a - b).abs().max().item() if a.numel() else 0.0
     assert torch.allclose(a, b, atol=atol, rtol=0), f"{msg}: max abs diff {diff} > {atol}"
+
+
+# a 2+2-layer width-32 transformer with shared embeddings: the tiny models the SAT CLI tests train
+TINY_SHARED_CLI = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32",
+                   "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
+                   "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings",
+                   "--dropout", "0.0"]

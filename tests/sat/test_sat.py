@@ -28,6 +28,7 @@ from tests.builders import sat_args as _args
 from tests.builders import sat_dictionary, sat_model, sat_sample as _sample
 from tests.helpers import (
     ROOT,
+    TINY_SHARED_CLI,
     assert_close,
     create_dummy_data,
     generate_main,
@@ -625,9 +626,7 @@ def test_k1_no_repeat_ngram_equals_fairseq():
 # --------------------------------------------------------------------------------------------------------
 # command line: fairseq-train / -generate / -interactive with --user-dir, init, hub, analysis, recipes
 
-TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
-        "--decoder-attention-heads", "2", "--share-all-embeddings", "--dropout", "0.0"]
+TINY = TINY_SHARED_CLI  # tests/helpers.py
 
 
 @pytest.fixture(scope="module")

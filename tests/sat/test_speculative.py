@@ -26,8 +26,8 @@ from fairseq_ext.sat.model import SATModel
 from fairseq_ext.sat.speculative import EPS, SpeculativeSATGenerator, load_drafter, same_encoder
 from tests.builders import SAT_DICT as DICT
 from tests.builders import SatTask, sat_args, sat_model, sat_sample
-from tests.helpers import (ROOT, USER_DIR, assert_close, create_dummy_data, hypotheses, preprocess_translation_data,
-                           run_cli, train_translation_model)
+from tests.helpers import (ROOT, TINY_SHARED_CLI, USER_DIR, assert_close, create_dummy_data, hypotheses,
+                           preprocess_translation_data, run_cli, train_translation_model)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -272,9 +272,7 @@ def test_the_encoder_is_shared_only_when_it_computes_the_same():
 
 # -- through fairseq-generate, fairseq-interactive and the hub ------------------------------------------------------
 
-TINY = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "32", "--decoder-embed-dim", "32",
-        "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64", "--encoder-attention-heads", "2",
-        "--decoder-attention-heads", "2", "--share-all-embeddings", "--dropout", "0.0"]
+TINY = TINY_SHARED_CLI  # tests/helpers.py
 
 
 @pytest.fixture(scope="module")
