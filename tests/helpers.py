@@ -127,3 +127,14 @@ TINY_SHARED_CLI = ["--encoder-layers", "2", "--decoder-layers", "2", "--encoder-
                    "--decoder-embed-dim", "32", "--encoder-ffn-embed-dim", "64", "--decoder-ffn-embed-dim", "64",
                    "--encoder-attention-heads", "2", "--decoder-attention-heads", "2", "--share-all-embeddings",
                    "--dropout", "0.0"]
+
+
+def assert_one_line_error(proc, *fragments):
+    """A command that failed with one ``error:`` line (the last of stderr, no traceback) holding every fragment."""
+    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+    return lines[-1]

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import TINY_TRANSFORMER
-from tests.helpers import USER_DIR, create_dummy_data, run_cli
+from tests.helpers import USER_DIR, assert_one_line_error, create_dummy_data, run_cli
 
 TINY = ["--encoder-layers", "1", "--decoder-layers", "1", "--encoder-embed-dim", "8", "--decoder-embed-dim", "8",
         "--encoder-ffn-embed-dim", "8", "--decoder-ffn-embed-dim", "8", "--encoder-attention-heads", "1",
@@ -188,16 +188,6 @@ def runs(request, tmp_path_factory):
     finally:
         pool.shutdown(wait=True)
     return {"w": w, "data": data, "ckpt": ckpt, "before": before, "results": results, "raw_src": src}
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode != 0, proc.stdout[-2000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[-1], lines[-1]
-    return lines[-1]
 
 
 def assert_nothing_written(runs, save):

@@ -25,7 +25,7 @@ import fairseq_ext  # noqa: F401
 from fairseq_ext.checkpoint_io import (ConfigConversionError, CorruptCheckpointError, UnsafeCheckpointError,
                                        load_checkpoint_file)
 from fairseq_ext.errors import FairseqExtError
-from tests.helpers import ROOT, USER_DIR, run_cli
+from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
 EN_DE = os.path.join(ROOT, "releases", "bible-en-de")
@@ -47,16 +47,6 @@ def interactive_args(data, path, task="translation", src="de", tgt="en", release
     return [data, "--path", path, "--task", task, "--source-lang", src, "--target-lang", tgt, "--user-dir", USER_DIR,
             "--bpe", "sentencepiece", "--sentencepiece-model", os.path.join(release, "spm.model"), "--beam", "2",
             "--max-len-b", "8", "--num-workers", "0"]
-
-
-def assert_one_line_error(proc, *fragments):
-    assert proc.returncode != 0, (proc.stdout + proc.stderr)[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines and lines[-1].startswith("error: "), proc.stderr[-3000:]
-    for fragment in fragments:
-        assert fragment in lines[-1], lines[-1]
-    return lines[-1]
 
 
 # ---------------------------------------------------------------------------------------------------- inputs
