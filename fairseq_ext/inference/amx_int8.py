@@ -5,7 +5,7 @@ and ``amx-int8-encoder``, or :func:`fairseq_ext.inference.speedups.amx_quantize_
 PyTorch's dynamically quantised ``Linear`` (fbgemm, the ``int8-*`` flags) spends most of a small call outside
 the product, and its per-row cost is what keeps a SAT call of K x B rows (a beam's K new positions for B
 hypotheses) well above a 4-row call (``python benchmarks/bench_kernels.py --parts 5`` times both by row count;
-docs/sat_transformer.md, "The kernels in isolation"). A CPU with AMX tiles (Intel Sapphire Rapids and later)
+docs/sat_transformer.md, "The AMX int8 kernel in isolation"). A CPU with AMX tiles (Intel Sapphire Rapids and later)
 multiplies 16 rows of int8 by a 16 x 64 int8 tile in one instruction, so up to 16 rows cost what one row
 costs. This module runs every ``nn.Linear`` of the decoder (encoder) through a small kernel on those tiles
 (``fairseq_ext/inference/kernels/amx_int8.c``, plain C, built once on first use with the system C compiler and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lossless speculative decoding of the release transformer (releases/bible-de-en/transformer.pt) with a SAT drafter
-# (--sat-draft-path, fairseq_ext/sat/speculative.py; docs/sat_transformer.md, "Speculative decoding (lossless)"):
+# (--sat-draft-path, fairseq_ext/sat/speculative.py; docs/sat_speculative.md):
 #   1. the drafter: the verifier's greedy translations of the Bible training set, a sat_transformer trained on them
 #      from the verifier's weights with its encoder frozen (tools/train_drafter.py, one thread);
 #   2. the Acts test set decoded greedily by the verifier alone and with the drafter (fairseq-generate, batch 64);
