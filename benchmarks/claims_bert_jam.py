@@ -484,8 +484,8 @@ phase 2 continued from the same checkpoint for the same updates at the same rate
 phase starts from the previous one's mean checkpoint (`--finetune-from-model`: a new warm-up). Baselines and phases
 1-2 validate every ~3 epochs (100-500 updates), stop after {a.bj_patience} validations without a better valid loss
 ("plateau") or at their cap ({a.bj_max_update} updates; phase 2 {a.bj_p2_max_update}: "cap"); every model is the
-mean of its last 3 interval checkpoints. Two trainings side by side, one thread each, on 2 cores shared with another
-experiment: minutes (of training) and seconds per update (validations included) are this machine's under that load.
+mean of its last 3 interval checkpoints. Two trainings side by side, one thread each, on 2 cores: minutes (of
+training) and seconds per update (validations included) are this machine's under that load.
 
 ![test BLEU by training size](claims_bert_jam_bleu_by_size.png)
 
