@@ -29,7 +29,7 @@ import sys
 import zipfile
 
 from claims_common import PRE_NORM, RELEASE_DE_EN, adam_args, eval_job, plateau_args, size_args, train_job, \
-    update_walls
+    trained, update_walls
 from claims_jobs import ClaimsError, Job, read_json
 
 # the paper's IWSLT'14 De-En numbers (Table 7, M0; BERT-fused from their text)
@@ -283,6 +283,32 @@ class BertJam:
             S.add(timed(train_job(name, S, self.bin(n), argv, [dep], {}, what=f"{n} verses, BERT-JAM {what}")))
         return [r[0] for r in runs]
 
+    def zeros_job(self, n):
+        """Phase 1 again with every cached e5 feature replaced by zero: what the joint attention gives without
+        e5's information, at the same updates and settings. Validation reads the cache; generation would run e5
+        live, so this model is compared by its best valid loss only."""
+        S, name = self.S, f"bj-{n}-p1-zeros"
+        cache, zeros = os.path.join(S.W, f"bj-cache-{n}"), os.path.join(S.W, f"bj-cache-{n}-zeros")
+        argv = [zeros if x == cache else x for x in self.bj_argv(n, 1, self.a.bj_max_update)]
+        job = timed(train_job(name, S, self.bin(n), argv, [f"bj-{n}-p1"], {},
+                              what=f"{n} verses, BERT-JAM phase 1 on e5 features set to zero"))
+        train = job.run
+
+        def run(j, S):
+            import numpy as np
+
+            os.makedirs(zeros, exist_ok=True)
+            for split in ("train", "valid"):  # the cache's own key and shape, the values zero (a sparse file)
+                shutil.copyfile(os.path.join(cache, f"{split}.json"), os.path.join(zeros, f"{split}.json"))
+                real = np.load(os.path.join(cache, f"{split}.npy"), mmap_mode="r")
+                np.lib.format.open_memmap(os.path.join(zeros, f"{split}.npy"), mode="w+", dtype=real.dtype,
+                                          shape=real.shape).flush()
+            return train(j, S)
+
+        job.run = run
+        S.add(job)
+        return name
+
     def baselines(self, n):
         S = self.S
         names = []
@@ -328,16 +354,22 @@ class BertJam:
         # the longest chain first: the scheduler starts ready jobs in the order they were added
         chains = {n: self.chain(n) for n in reversed(self.sizes)}
         bases = {n: self.baselines(n) for n in reversed(self.sizes)}
-        wanted = []
+        wanted = [self.zeros_job(min(self.sizes))]  # the ablation at the smallest size, where e5 should pay most
         for n in reversed(self.sizes):
             wanted += self.evals(n, chains[n], bases[n])
         S.run_all(wanted)
-        return {"sizes": self.sizes, "chains": chains, "bases": bases}
+        return {"sizes": self.sizes, "chains": chains, "bases": bases, "zeros": wanted[0]}
 
 
 # ---------------------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------------------
+
+def _trained(S, name):
+    """A training's result with its log read again (the minutes of every process of a resumed training)."""
+    log = S.log(name, "train.log")
+    return {**trained(S, name), **(train_timing(log) if os.path.exists(log) else {})}
+
 
 def results_by_size(S, outcome):
     """Per size: the baselines, the chosen one, phases 1-3 and the control (train and eval results merged)."""
@@ -347,9 +379,9 @@ def results_by_size(S, outcome):
         base_test = S.result(f"bj-{n}-base-test")
         row = {"base_test": base_test, "bases": {}, "bj": {}}
         for name in outcome["bases"][n]:
-            row["bases"][name] = {**S.result(name), **S.result(f"{name}-eval")}
+            row["bases"][name] = {**_trained(S, name), **S.result(f"{name}-eval")}
         for name in outcome["chains"][n]:
-            row["bj"][name.rsplit("-", 1)[1]] = {**S.result(name), **S.result(f"{name}-eval")}
+            row["bj"][name.rsplit("-", 1)[1]] = {**_trained(S, name), **S.result(f"{name}-eval")}
         chosen = row["bases"][base_test["chosen"]]
         row["base"] = {**chosen, "bleu_test_beam4": base_test["bleu_test_beam4"],
                        "bleu_test_beam4_signature": base_test.get("bleu_test_beam4_signature")}
@@ -391,8 +423,9 @@ def plot(by_size, png):
 
 def _row(R, label, r, dropout, fixed=False):
     stop = "fixed" if fixed else ("plateau" if r.get("stopped_at_plateau") else "cap")
-    spu = r.get("s_per_update")
-    return [label, dropout, R.fmt(r.get("bleu_valid_beam4")), R.fmt(r.get("bleu_test_beam4")), r["updates"], stop,
+    spu, loss = r.get("s_per_update"), r.get("valid_loss_best")
+    return [label, dropout, "-" if loss is None else f"{loss:.3f}", R.fmt(r.get("bleu_valid_beam4")),
+            R.fmt(r.get("bleu_test_beam4")), r["updates"], stop,
             f"{r.get('train_minutes') or r['minutes']:.0f}", "-" if spu is None else f"{spu:.2f}",
             f"{r.get('cache_minutes') or 0:.0f}"]
 
@@ -419,6 +452,12 @@ def report(ctx, outcome):
     png = os.path.join(S.W, "bert_jam_bleu_by_size.png")
     plot(by_size, png)
     verdict, missed, not_run = verdict_of(by_size)
+    zeros = _trained(S, outcome["zeros"]) if outcome.get("zeros") and S.result(outcome["zeros"]) else None
+    n0 = min(sizes)
+    zero_text = "" if not zeros else (
+        f" Without e5's information (phase 1 on features set to zero, {n0} verses) the best valid loss is "
+        f"{zeros['valid_loss_best']:.3f}, against {by_size[n0]['bj']['p1']['valid_loss_best']:.3f} with e5 and "
+        f"{by_size[n0]['base']['valid_loss_best']:.3f} for the chosen baseline.")
     gaps = "; ".join(f"{n} verses: phase 3 {by_size[n]['bj']['p3']['bleu_test_beam4']:.2f} vs baseline "
                      f"{by_size[n]['base']['bleu_test_beam4']:.2f} (dropout {by_size[n]['base_test']['dropout']}), "
                      f"{by_size[n]['gap']:+.2f} (target " + (f"{TARGET[n]:+.1f}" if n in TARGET else "none") + ")"
@@ -432,6 +471,7 @@ def report(ctx, outcome):
                  "No size run has a target. ")
               + f"Phase 1 alone over the baseline: {p1}; phase 3 over the control (phase 2 continued for the same "
               f"{a.bj_p3_updates} updates at the same rate): {p3c}."
+              + zero_text
               + (" Not run: " + ", ".join(f"{n} verses (target {TARGET[n]:+.1f})" for n in not_run)
                  + " (--bj-sizes), so that part of the claim is untested." if not_run else ""))
     sections = []
@@ -446,10 +486,13 @@ def report(ctx, outcome):
         for key, label in (("p1", "BERT-JAM phase 1"), ("p2", "BERT-JAM phase 2"), ("p3", "BERT-JAM phase 3"),
                            ("ctrl", "control: phase 2 continued")):
             rows.append(_row(R, label, r["bj"][key], a.bj_dropout, fixed=key in ("p3", "ctrl")))
+        if zeros and n == min(sizes):
+            rows.append(_row(R, "BERT-JAM phase 1, every e5 feature set to zero", zeros, a.bj_dropout))
         target = f"target {TARGET[n]:+.1f}" if n in TARGET else "no target"
         sections.append(f"### {n} training verses: phase 3 {r['gap']:+.2f} test BLEU over the baseline ({target}); "
                         f"valid {r['gap_valid']:+.2f}\n\n"
-                        + R.table(["model", "dropout", "valid beam 4", "test beam 4", "updates", "stopped",
+                        + R.table(["model", "dropout", "best valid loss", "valid beam 4", "test beam 4", "updates",
+                                   "stopped",
                                    "minutes", "s / update", "cache minutes"], rows))
     allres = [x for n in sizes for x in [by_size[n]["base_test"], *by_size[n]["bj"].values(),
                                           *by_size[n]["bases"].values()]]
@@ -507,6 +550,10 @@ Signatures: {R.signatures(allres)}.
                          "updates": v["updates"], "minutes": round(v.get("train_minutes") or v["minutes"], 1),
                          "s_per_update": v.get("s_per_update")} for k, v in by_size[n]["bj"].items()}}
                   for n in sizes},
+              "p1_zero_features": None if not zeros else {
+                  "verses": n0, "valid_loss_best": zeros["valid_loss_best"],
+                  "p1_valid_loss_best": by_size[n0]["bj"]["p1"]["valid_loss_best"],
+                  "baseline_valid_loss_best": by_size[n0]["base"]["valid_loss_best"], "updates": zeros["updates"]},
               "e5_pieces": e5.get("pruned_vocab_size"), "command": R.command(a, "bert_jam")}
     return R.write(a.docs_dir, "bert_jam", md, record, [png])
 

@@ -61,19 +61,44 @@ def json_records(log, kind):
     return out
 
 
+_LINE = re.compile(r"^(?:(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) )?\| INFO \| (\S+) \| (.*?)\s*$")
+
+
 def update_walls(log):
     """[(updates, wall seconds of training so far)] from a training log: fairseq's ``wall`` of each record, added up
-    over the processes of a training that was cut and resumed (each restarts its wall clock)."""
-    recs = [(r["num_updates"], r["wall"]) for r in json_records(log, "train_inner")]
-    if not recs:  # fewer updates than --log-interval: the epoch records
-        recs = [(r["train_num_updates"], r["train_wall"]) for r in json_records(log, "train")]
-    out, offset, last = [], 0.0, 0.0
-    for updates, wall in recs:
-        wall = float(wall)
-        if wall < last:  # a new process
+    over the processes of a training that was cut and resumed. A resumed process logs ``wall`` 0 throughout
+    (fairseq restores the wall stopwatch from the checkpoint without starting it), so its records take the time
+    since that process logged its configuration instead."""
+    import json
+    from datetime import datetime
+
+    if not os.path.exists(log):
+        return []
+    kind, key = ("train_inner", "") if json_records(log, "train_inner") else ("train", "train_")
+    recs, start, proc = [], None, 0  # (updates, wall, process)
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() if m.group(1) else None
+            if m.group(2) == "fairseq_cli.train" and m.group(3).startswith("{'_name'"):
+                start, proc = when, proc + 1  # a process begins: it logs its configuration
+            elif m.group(2) == kind and m.group(3).startswith("{"):
+                try:
+                    r = json.loads(m.group(3))
+                    updates, wall = int(float(r[f"{key}num_updates"])), float(r[f"{key}wall"])
+                except (ValueError, KeyError):
+                    continue
+                if wall == 0 and start is not None and when is not None and updates > 0:
+                    wall = when - start
+                recs.append((updates, wall, proc))
+    out, offset, last, last_proc = [], 0.0, 0.0, None
+    for updates, wall, p in recs:
+        if last_proc is not None and (p != last_proc or wall < last):  # a new process
             offset += last
-        last = wall
-        out.append((int(float(updates)), offset + wall))
+        last, last_proc = wall, p
+        out.append((updates, offset + wall))
     return out
 
 

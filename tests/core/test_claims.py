@@ -165,13 +165,16 @@ def _bert_jam_report(tmp_path, bleus):
         outcome["chains"][n] = [f"bj-{n}-{k}" for k in ("p1", "p2", "p3", "ctrl")]
         for name, b in [*zip(outcome["bases"][n], base.values()), *zip(outcome["chains"][n], phases)]:
             S.results[name] = {"updates": 500, "minutes": 5.0, "s_per_update": 0.6, "cache_minutes": 0.0,
-                               "stopped_at_plateau": True, "checkpoint": "x"}
+                               "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 8.0 - b / 10}
             S.results[f"{name}-eval"] = {k: v for k, v in _bleu(b).items() if "greedy" not in k} | {
                 "bleu_valid_beam4": b + 1.0}
         chosen = max(base, key=base.get)
         S.results[f"bj-{n}-base-test"] = {"bleu_test_beam4": base[chosen], "chosen": f"bj-{n}-base-d{chosen}",
                                           "dropout": float(chosen)}
     S.results["bj-e5"] = {"pruned_vocab_size": 25000, "layers": 12, "hidden": 384}
+    outcome["zeros"] = zeros = f"bj-{min(bleus)}-p1-zeros"  # phase 1 on e5 features set to zero
+    S.results[zeros] = {"updates": 400, "minutes": 4.0, "s_per_update": 0.6, "cache_minutes": 0.0,
+                        "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 7.125}
     ctx = type("Ctx", (), {"S": S, "args": args})()
     claims_bert_jam.report(ctx, outcome)
     docs = tmp_path / "docs"
@@ -188,9 +191,15 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     assert rec["not_run"] == [29080] and "29080 verses (target +0.0)" in rec["reason"]
     assert rec["sizes"]["8000"]["baseline"] == {"dropout": 0.1, "valid_beam4": 13.0, "test_beam4": 12.0,
                                                 "valid_by_dropout": {"0.1": 13.0, "0.3": 12.0}}
-    assert "| Transformer (chosen on valid) | 0.3 | 7.00 | 6.00 | 500 | plateau |" in md
-    assert "| Transformer | 0.1 | 6.00 | - |" in md  # the other dropout is never decoded on test
-    assert "| BERT-JAM phase 3 | 0.3 | 10.50 | 9.50 | 500 | fixed |" in md
+    assert "| Transformer (chosen on valid) | 0.3 | 7.400 | 7.00 | 6.00 | 500 | plateau |" in md
+    assert "| Transformer | 0.1 | 7.500 | 6.00 | - |" in md  # the other dropout is never decoded on test
+    assert "| BERT-JAM phase 3 | 0.3 | 7.050 | 10.50 | 9.50 | 500 | fixed |" in md
+    # the zero-feature ablation: a row at the smallest size and its valid losses beside phase 1's and the baseline's
+    assert "| BERT-JAM phase 1, every e5 feature set to zero | 0.3 | 7.125 | - | - | 400 | plateau |" in md
+    assert "features set to zero, 2000 verses) the best valid loss is 7.125, against 7.300 with e5 and 7.400" \
+        in rec["reason"]
+    assert rec["p1_zero_features"] == {"verses": 2000, "valid_loss_best": 7.125, "p1_valid_loss_best": 7.3,
+                                       "baseline_valid_loss_best": 7.4, "updates": 400}
     rec, _ = _bert_jam_report(tmp_path / "hit", {2000: (base, [7.0, 8.0, 9.0, 8.5]),
                                                  8000: (base, [7.0, 8.0, 9.0, 8.5]),
                                                  29080: (base, [5.0, 5.5, 6.0, 6.5])})
@@ -198,3 +207,25 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, [7.0, 8.0, 9.0, 8.5])})
     assert rec["verdict"] == "not testable at this scale" and rec["not_run"] == [8000, 29080]
     assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +3.0)" in rec["reason"]
+
+
+def test_update_walls_counts_a_resumed_process_by_its_timestamps(tmp_path):
+    """fairseq logs ``wall`` 0 throughout a process resumed from a checkpoint: the minutes of a cut-and-resumed
+    training are the first process's wall plus the resumed one's time since it logged its configuration."""
+    from claims_common import train_summary, update_walls
+
+    def inner(ts, updates, wall):
+        return (f"2026-12-03 {ts} | INFO | train_inner | "
+                f'{{"epoch": 1, "update": 1.0, "loss": "5.0", "wps": "100", "num_updates": "{updates}", '
+                f'"wall": "{wall}"}}\n')
+
+    config = "| INFO | fairseq_cli.train | {'_name': None, 'common': {}}\n"
+    log = tmp_path / "train.log"
+    log.write_text("2026-12-03 04:00:00 " + config + inner("04:01:00", 50, 60) + inner("04:02:00", 100, 120)
+                   + "2026-12-03 06:00:00 " + config + inner("06:00:30", 100, 0) + inner("06:01:30", 150, 0))
+    assert update_walls(str(log)) == [(50, 60.0), (100, 120.0), (100, 150.0), (150, 210.0)]
+    assert train_summary(str(log))["train_minutes"] == 3.5
+    # lines without a time: fairseq's walls, a restart found by a smaller wall
+    plain = tmp_path / "plain.log"
+    plain.write_text("".join(x.split(" ", 2)[2] for x in (inner("00:00:00", 50, 60), inner("00:00:00", 100, 30))))
+    assert update_walls(str(plain)) == [(50, 60.0), (100, 90.0)]
