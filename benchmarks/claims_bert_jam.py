@@ -454,10 +454,14 @@ def report(ctx, outcome):
     verdict, missed, not_run = verdict_of(by_size)
     zeros = _trained(S, outcome["zeros"]) if outcome.get("zeros") and S.result(outcome["zeros"]) else None
     n0 = min(sizes)
-    zero_text = "" if not zeros else (
-        f" Without e5's information (phase 1 on features set to zero, {n0} verses) the best valid loss is "
-        f"{zeros['valid_loss_best']:.3f}, against {by_size[n0]['bj']['p1']['valid_loss_best']:.3f} with e5 and "
-        f"{by_size[n0]['base']['valid_loss_best']:.3f} for the chosen baseline.")
+    zero_text = ""
+    if zeros:
+        z, p1, b = zeros["valid_loss_best"], by_size[n0]["bj"]["p1"]["valid_loss_best"], \
+            by_size[n0]["base"]["valid_loss_best"]
+        zero_text = (f" Without e5's information (phase 1 on features set to zero, {n0} verses) the best valid loss "
+                     f"is {z:.3f}, against {p1:.3f} with e5 and {b:.3f} for the chosen baseline: the joint "
+                     f"attention alone is {z - b:+.3f} from the baseline, and e5's features change it by "
+                     f"{p1 - z:+.3f}.")
     gaps = "; ".join(f"{n} verses: phase 3 {by_size[n]['bj']['p3']['bleu_test_beam4']:.2f} vs baseline "
                      f"{by_size[n]['base']['bleu_test_beam4']:.2f} (dropout {by_size[n]['base_test']['dropout']}), "
                      f"{by_size[n]['gap']:+.2f} (target " + (f"{TARGET[n]:+.1f}" if n in TARGET else "none") + ")"
@@ -523,7 +527,9 @@ chosen one is decoded on test. BERT-JAM: the same shape and schedule with joint 
 dropout {a.bj_dropout}; phase 1 (e5 and GLUs frozen, lr {LRS[1]}) and phase 2 (GLUs trained, lr {LRS[2]}, warmup
 {WARMUPS[2]}) on the feature cache of every e5 layer (eval mode, computed once per size: "cache minutes"); phase 3
 (e5 fine-tuned, lr {LRS[3]}, warmup {WARMUPS[3]}, live e5) for {a.bj_p3_updates} updates against the control,
-phase 2 continued from the same checkpoint for the same updates at the same rate (both without validation). Each
+phase 2 continued from the same checkpoint for the same updates at the same rate (both without validation). At the
+smallest size phase 1 is trained again on a copy of the cache with every feature set to zero: the joint attention
+without e5's information, compared by best valid loss (generation would run e5 live). Each
 phase starts from the previous one's mean checkpoint (`--finetune-from-model`: a new warm-up). Baselines and phases
 1-2 validate every ~3 epochs (100-500 updates), stop after {a.bj_patience} validations without a better valid loss
 ("plateau") or at their cap ({a.bj_max_update} updates; phase 2 {a.bj_p2_max_update}: "cap"); every model is the

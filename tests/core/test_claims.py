@@ -197,7 +197,7 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     # the zero-feature ablation: a row at the smallest size and its valid losses beside phase 1's and the baseline's
     assert "| BERT-JAM phase 1, every e5 feature set to zero | 0.3 | 7.125 | - | - | 400 | plateau |" in md
     assert "features set to zero, 2000 verses) the best valid loss is 7.125, against 7.300 with e5 and 7.400" \
-        in rec["reason"]
+        in rec["reason"] and "alone is -0.275 from the baseline, and e5's features change it by +0.175." in rec["reason"]
     assert rec["p1_zero_features"] == {"verses": 2000, "valid_loss_best": 7.125, "p1_valid_loss_best": 7.3,
                                        "baseline_valid_loss_best": 7.4, "updates": 400}
     rec, _ = _bert_jam_report(tmp_path / "hit", {2000: (base, [7.0, 8.0, 9.0, 8.5]),
