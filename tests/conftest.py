@@ -46,7 +46,7 @@ def tiny_transformer_dir(tmp_path_factory):
 # minutes of unit tests and in-process checks.
 TRAINING_FIXTURES = {
     "tiny_transformer_dir", "tiny_run", "run", "prepared", "genuine", "evil_transformer", "smoke", "server",
-    "data", "data_dir", "trained", "runs", "wheel",
+    "data", "data_dir", "trained", "runs", "wheel", "interactive_runs",
 }
 
 

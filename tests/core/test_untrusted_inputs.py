@@ -122,7 +122,7 @@ def _evil_bert(path, marker):
 
 
 @pytest.fixture(scope="module")
-def cli(tmp_path_factory):
+def interactive_runs(tmp_path_factory):
     """Every command line of this module, run two at a time; {name: CompletedProcess} plus the paths used."""
     w = tmp_path_factory.mktemp("untrusted")
     d = w / "d"  # the release's joined dictionary as the data directory's two dictionaries
@@ -187,11 +187,11 @@ def _outputs(stdout):
 
 
 @pytest.mark.parametrize("name", ["lines", "lines_sat"])
-def test_interactive_keeps_going_after_a_line_that_is_too_long_and_reads_a_lone_cr_as_text(cli, name):
+def test_interactive_keeps_going_after_a_line_that_is_too_long_and_reads_a_lone_cr_as_text(interactive_runs, name):
     """Line 2 is over --max-source-positions: one error line naming it and the flag, no output for its id, the run
     goes on; line 3 holds a lone \\r and stays one line (ids stay the input's line numbers - 1); \\r\\n ends line 4.
     Through fairseq's generator and the SAT generator."""
-    proc = cli["results"][name]
+    proc = interactive_runs["results"][name]
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: input line 2: 40 tokens and EOS are more than the model takes (--max-source-positions "
@@ -205,33 +205,35 @@ def test_interactive_keeps_going_after_a_line_that_is_too_long_and_reads_a_lone_
 
 # ------------------------------------------------------------------------------------------ 5. native switch
 
-def test_sat_decoding_compiles_nothing_and_fairseq_ext_native_0_refuses_the_amx_kernel(cli):
+def test_sat_decoding_compiles_nothing_and_fairseq_ext_native_0_refuses_the_amx_kernel(interactive_runs):
     """With a CC that would leave a mark: the SAT generator decodes on PyTorch's ops with FAIRSEQ_EXT_NATIVE=0 (the
     run above) and without it, and ``--inference-speedups amx-int8-decoder`` (the one flag that builds C) is refused
     under the switch with one line naming the flag and the switch, on any CPU. Nothing is compiled, no cache made."""
     for name in ("lines_sat", "sat_native_on"):
-        proc = cli["results"][name]
+        proc = interactive_runs["results"][name]
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert "SAT generator: K=2, beam 2; decoder step: lean" in proc.stdout + proc.stderr, name
         assert _outputs(proc.stdout), (name, proc.stdout[-2000:])
-    assert_one_line_error(cli["results"]["amx_native_off"], "amx-int8-decoder: AMX int8 kernel unavailable: native "
-                          "code turned off by FAIRSEQ_EXT_NATIVE=0")
-    assert not cli["compiled"].exists() and not cli["cache"].exists()
+    assert_one_line_error(interactive_runs["results"]["amx_native_off"],
+                          "amx-int8-decoder: AMX int8 kernel unavailable: "
+                          "native code turned off by FAIRSEQ_EXT_NATIVE=0")
+    assert not interactive_runs["compiled"].exists() and not interactive_runs["cache"].exists()
 
 
 # ---------------------------------------------------------------------- 7. a model the SAT generator cannot read
 
-def test_fconv_glu_with_the_sat_task_is_one_line_naming_the_checkpoint_and_the_task(cli):
+def test_fconv_glu_with_the_sat_task_is_one_line_naming_the_checkpoint_and_the_task(interactive_runs):
     """fconv's beamable attention used to end in a RuntimeError deep in fairseq.modules.beamable_mm."""
-    assert_one_line_error(cli["results"]["fconv_sat"], f"{os.path.join(DE_EN, 'fconv_glu.pt')}: --task "
+    assert_one_line_error(interactive_runs["results"]["fconv_sat"], f"{os.path.join(DE_EN, 'fconv_glu.pt')}: --task "
                           "translation_sat decodes a sat_transformer or a fairseq transformer, not a FConvGluModel",
                           "decode it with --task translation")
 
 
 # ----------------------------------------------------------------------------------- 3. damaged checkpoints
 
-def test_a_flipped_bit_is_refused_before_unpickling_through_fairseq_interactive(cli):
-    assert_one_line_error(cli["results"]["flip"], f"checkpoint {cli['flip']} is damaged: the bytes of its record",
+def test_a_flipped_bit_is_refused_before_unpickling_through_fairseq_interactive(interactive_runs):
+    assert_one_line_error(interactive_runs["results"]["flip"],
+                          f"checkpoint {interactive_runs['flip']} is damaged: the bytes of its record",
                           "do not match their CRC-32")
 
 
@@ -311,10 +313,11 @@ def test_missing_and_unexpected_weights_are_one_line(tmp_path, release_data):
 
 # ------------------------------------------------------------------------------- 4. legacy args and Hydra
 
-def test_a_registry_field_cannot_smuggle_a_resolver_into_hydra(cli):
-    proc = cli["results"]["legacy_secret"]
-    last = assert_one_line_error(proc, f"refusing to load checkpoint {cli['w'] / 'legacy_secret.pt'}: config field "
-                                       "args.scoring", "is not a registry name")
+def test_a_registry_field_cannot_smuggle_a_resolver_into_hydra(interactive_runs):
+    proc = interactive_runs["results"]["legacy_secret"]
+    secret_ckpt = interactive_runs["w"] / "legacy_secret.pt"
+    last = assert_one_line_error(proc, f"refusing to load checkpoint {secret_ckpt}: config field args.scoring",
+                                 "is not a registry name")
     assert SECRET not in proc.stdout + proc.stderr, last
 
 
@@ -409,20 +412,20 @@ def test_a_traversal_archive_is_refused_and_writes_nothing_outside(tmp_path, mon
 
 # ------------------------------------------------------------------------------------- 2. BERT directories
 
-def test_a_bert_directory_with_custom_code_is_refused_even_when_the_input_says_yes(cli):
+def test_a_bert_directory_with_custom_code_is_refused_even_when_the_input_says_yes(interactive_runs):
     """transformers asked "run the custom code? [y/N]" with input(): under fairseq-interactive that read the
     user's first sentence ("y" here) and imported evil.py from the BERT directory."""
-    proc = cli["results"]["bert_auto_map"]
-    assert_one_line_error(proc, f"refusing BERT {cli['evil_bert']}: its config.json has an auto_map",
+    proc = interactive_runs["results"]["bert_auto_map"]
+    assert_one_line_error(proc, f"refusing BERT {interactive_runs['evil_bert']}: its config.json has an auto_map",
                           "never runs code from a model directory")
-    assert not cli["marker"].exists()
+    assert not interactive_runs["marker"].exists()
     assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr
 
 
-def test_a_release_names_no_bert_so_generation_needs_the_flag(cli):
+def test_a_release_names_no_bert_so_generation_needs_the_flag(interactive_runs):
     """The release bert_jam.pt recorded the BERT path of the machine that trained it, which fairseq-interactive
     opened silently when --bert-model-name was not given; it records none now."""
-    assert_one_line_error(cli["results"]["bert_no_flag"], "--bert-model-name")
+    assert_one_line_error(interactive_runs["results"]["bert_no_flag"], "--bert-model-name")
 
 
 @pytest.mark.parametrize("change, message", [
