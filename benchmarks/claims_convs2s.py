@@ -14,6 +14,7 @@ wall clocks compare; interval checkpoints give the equal-minutes comparison (eac
 it reached within the minutes the faster one needed for all its updates).
 """
 
+import logging
 import os
 
 from claims_common import adam_args, eval_job, plateau_args, train_job, trained
@@ -124,6 +125,37 @@ def verdict(fconv, lstm, last, minutes):
     return "not reproduced", f"Not above its control at {', '.join(lost)} ({said})."
 
 
+def plot(S, labels, png):
+    """Valid loss against updates (equal updates) and against training minutes (equal minutes), one line per
+    model, from the training logs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    from claims_common import update_walls
+
+    fig, (by_update, by_minute) = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
+    for (name, label), style in zip(labels.items(), ("o-", "s-", "^--")):
+        curve = trained(S, name)["valid_curve"]
+        walls = update_walls(S.log(name, "train.log"))
+        minutes = [next((w for u2, w in walls if u2 >= u), walls[-1][1]) / 60 for u, _ in curve]
+        by_update.plot([u for u, _ in curve], [l for _, l in curve], style, label=label, markersize=4)
+        by_minute.plot(minutes, [l for _, l in curve], style, label=label, markersize=4)
+    by_update.set_xlabel("updates")
+    by_minute.set_xlabel("training minutes (2 cores, side by side)")
+    by_update.set_ylabel("valid loss (label-smoothed)")
+    for ax in (by_update, by_minute):
+        ax.grid(alpha=0.3)
+    by_update.legend(fontsize=7)
+    fig.suptitle("ConvS2S vs an LSTM with attention, Bible De->En")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png), exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def report(ctx, outcome):
     """docs/CLAIMS.md's ConvS2S section and claims.json's ``convs2s``."""
     import claims_report as R
@@ -182,6 +214,8 @@ checkpoints averaged for the equal-updates rows.
 
 {R.table(["model", "updates in that time", "checkpoint used", "test BLEU (beam 4)"], erows) if erows else "-"}
 
+![valid loss against updates and against minutes](claims_convs2s_valid_loss.png)
+
 LSTM pilots (valid greedy BLEU by learning rate):
 
 {R.table(["lr", "valid greedy"], prow)}
@@ -190,4 +224,6 @@ Signatures: {R.signatures([S.result(f"{n}-eval") for n in labels])}.
 """
     record = {"verdict": v, "reason": reason, "models": rec, "equal_minutes": eq, "paper": PAPER,
               "command": R.command(a, "convs2s")}
-    return R.write(a.docs_dir, "convs2s", md, record)
+    png = os.path.join(S.W, "convs2s_valid_loss.png")
+    plot(S, labels, png)
+    return R.write(a.docs_dir, "convs2s", md, record, [png])

@@ -229,3 +229,24 @@ def test_update_walls_counts_a_resumed_process_by_its_timestamps(tmp_path):
     plain = tmp_path / "plain.log"
     plain.write_text("".join(x.split(" ", 2)[2] for x in (inner("00:00:00", 50, 60), inner("00:00:00", 100, 30))))
     assert update_walls(str(plain)) == [(50, 60.0), (100, 90.0)]
+
+
+def test_convs2s_figure_plots_valid_loss_by_update_and_by_minute(tmp_path):
+    """The ConvS2S figure reads each training's log: its valid-loss curve and the minutes of each update."""
+    import claims_convs2s
+
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    labels = {"convs2s-fconv": "fconv", "convs2s-lstm": "lstm"}
+    for name, per_update in (("convs2s-fconv", 1), ("convs2s-lstm", 3)):
+        S.results[name] = {"updates": 200, "minutes": 1.0}
+        lines = ["2026-12-03 04:00:00 | INFO | fairseq_cli.train | {'_name': None}\n"]
+        for u in (100, 200):
+            lines.append(f'2026-12-03 04:00:00 | INFO | train_inner | {{"loss": "5.0", "wps": "100", '
+                         f'"num_updates": "{u}", "wall": "{u * per_update}"}}\n')
+            lines.append(f'2026-12-03 04:00:00 | INFO | valid | {{"valid_loss": "{9 - u / 100}", '
+                         f'"valid_num_updates": "{u}"}}\n')
+        open(S.log(name, "train.log"), "w").writelines(lines)
+    png = tmp_path / "fig.png"
+    claims_convs2s.plot(S, labels, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert claims_convs2s.trained(S, "convs2s-lstm")["valid_curve"] == [(100, 8.0), (200, 7.0)]
