@@ -21,7 +21,6 @@ one's mean with ``--finetune-from-model`` (a new warm-up), as recipes/bert_jam/d
 once per model.
 """
 
-import logging
 import os
 import random
 import shutil
@@ -31,6 +30,7 @@ import zipfile
 from claims_common import PRE_NORM, RELEASE_DE_EN, adam_args, eval_job, plateau_args, size_args, train_job, \
     trained, update_walls
 from claims_jobs import ClaimsError, Job, read_json
+from claims_report import pyplot, save_figure
 
 # the paper's IWSLT'14 De-En numbers (Table 7, M0; BERT-fused from their text)
 PAPER = {"phase1": 36.85, "phase3": 38.66, "bert_fused": 36.11}
@@ -393,14 +393,8 @@ def results_by_size(S, outcome):
 
 
 def plot(by_size, png):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib.pyplot as plt
-
     sizes = sorted(by_size)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.2))
     ax.plot(sizes, [by_size[n]["base"]["bleu_test_beam4"] for n in sizes], "o-", color="black",
             label="Transformer (dropout chosen on valid)")
     for key, label, style in (("p1", "BERT-JAM phase 1", "s--"), ("p2", "BERT-JAM phase 2", "^--"),
@@ -415,10 +409,7 @@ def plot(by_size, png):
     ax.set_title("BERT-JAM (e5-small) vs Transformer, Bible De->En")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(png), exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def _row(R, label, r, dropout, fixed=False):

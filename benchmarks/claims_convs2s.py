@@ -14,11 +14,11 @@ wall clocks compare; interval checkpoints give the equal-minutes comparison (eac
 it reached within the minutes the faster one needed for all its updates).
 """
 
-import logging
 import os
 
-from claims_common import adam_args, eval_job, plateau_args, train_job, trained
+from claims_common import adam_args, eval_job, plateau_args, train_job, trained, update_walls
 from claims_jobs import Job
+from claims_report import pyplot, save_figure
 
 PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
          "en_de": {"convs2s": 25.16, "gnmt_lstm": 24.61},  # Table 1: WMT'14 En-De, ConvS2S vs GNMT (word-piece LSTM)
@@ -86,8 +86,6 @@ class ConvS2S:
 
         def equal_minutes(job, S):
             """The checkpoint of each model at the minutes the faster of fconv / lstm needed for all its updates."""
-            from claims_common import update_walls
-
             times = {name: update_walls(S.log(name, "train.log")) for name in ("convs2s-fconv", "convs2s-lstm")}
             budget = min(t[-1][1] for t in times.values())
             out = {"minutes": round(budget / 60, 1)}
@@ -128,15 +126,7 @@ def verdict(fconv, lstm, last, minutes):
 def plot(S, labels, png):
     """Valid loss against updates (equal updates) and against training minutes (equal minutes), one line per
     model, from the training logs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    import matplotlib.pyplot as plt
-
-    from claims_common import update_walls
-
-    fig, (by_update, by_minute) = plt.subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
+    fig, (by_update, by_minute) = pyplot().subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
     for (name, label), style in zip(labels.items(), ("o-", "s-", "^--")):
         curve = trained(S, name)["valid_curve"]
         walls = update_walls(S.log(name, "train.log"))
@@ -150,10 +140,7 @@ def plot(S, labels, png):
         ax.grid(alpha=0.3)
     by_update.legend(fontsize=7)
     fig.suptitle("ConvS2S vs an LSTM with attention, Bible De->En")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(png), exist_ok=True)
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)
 
 
 def report(ctx, outcome):

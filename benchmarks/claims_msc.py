@@ -16,6 +16,7 @@ import os
 
 from claims_common import adam_args, eval_job, plateau_args, size_args, train_job, trained
 from claims_jobs import Job
+from claims_report import pyplot, save_figure
 
 # Table 2 of the paper (IWSLT'14 De->En, small models, BLEU): the 6-layer Transformer, MSC with 6 / 36 / 54 layers and
 # 72 layers with L2 (the 72-layer MSC without L2 did not train)
@@ -88,12 +89,7 @@ class MSC:
 
 def learning_curves(S, names, png):
     """Valid loss against updates of every model (the evidence when depth does not pay)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for n in names:
         curve = S.result(n)["valid_curve"]
         if curve:
@@ -101,9 +97,7 @@ def learning_curves(S, names, png):
     ax.set_xlabel("updates")
     ax.set_ylabel("valid loss (label-smoothed, base 2)")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
+    save_figure(fig, png)
     return png
 
 

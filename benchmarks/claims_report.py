@@ -20,6 +20,29 @@ valid set; the test set is decoded once per model after training. Every BLEU is 
 VERDICTS = ("reproduced", "not reproduced", "not testable at this scale")
 
 
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend), its font-search messages silenced."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, png):
+    """Writes ``fig`` to ``png`` (tight layout, 120 dpi, its folder made) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def begin(paper):
     return f"<!-- claims:{paper} -->"
 
