@@ -31,7 +31,6 @@ setup(
     license="MIT",
     license_files=["LICENSE", "NOTICE"],
     packages=find_packages(include=["fairseq_ext", "fairseq_ext.*"]),
-    package_data={"fairseq_ext.inference": ["kernels/*.c"]},  # the AMX kernel's C, built on use
     python_requires=">=3.9",
     install_requires=INSTALL_REQUIRES,
     extras_require={

@@ -1,7 +1,5 @@
-"""The package's AMX int8 kernel (``amx-int8-*``, :mod:`fairseq_ext.inference.amx_int8`) against the library
-paths, on the decoder's linear shapes of the release models, by row count: whether the hand-written C is worth
-keeping (project rule: keep it only where it beats the best library path by 1.3x or more on its part and by 5% or
-more end to end, ``benchmarks/bench_sat.py --quantize amx``).
+"""The int8 linear paths of the libraries against float32, on the decoder's linear shapes of the release models,
+by row count: which one to use per shape (the fastest int8 contender, by the geometric mean over the row counts).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_int8_linear.py [--dims 128 256 512] [--rows 1 2 4 8 64]
         [--vocab 8000] [--threads 1] [--passes 10] [--budget 0.01] [--compile-limit 60] [--no-compile]
@@ -18,17 +16,14 @@ projection d x d, the FFN's 4d x d and d x 4d, and the softmax projection V x d 
   works (with or without AMX tiles: the header names the implementation oneDNN picked);
 * ``torchao``: torchao's int8 dynamic-activation / int8-weight quantisation, eager;
 * ``torchao+compile``: the same through ``torch.compile`` (inductor, ``freezing`` on, as torchao advises on a
-  CPU); dropped for the rest of the run, with a line, if a compile fails or takes over --compile-limit seconds;
-* ``AMX (ours)``: :class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`, where the CPU has AMX tiles and the
-  kernel builds.
+  CPU); dropped for the rest of the run, with a line, if a compile fails or takes over --compile-limit seconds.
 
-A contender that cannot run here (torchao not installed, no AMX) is skipped with a line. Each measurement point
-times all contenders interleaved: --passes passes, each timing every contender over about --budget seconds of
-calls, the fastest pass kept (microseconds per call), so a shared machine slows every contender alike. Printed:
-microseconds and speed-up over float32 (float32 us / contender us), the best library path (every contender but
-ours, float32 included) and our kernel's speed-up over it (best library us / AMX us), and each contender's
-largest error against the float32 output relative to its largest value. Last, per shape, the geometric mean over
-the row counts of our kernel's speed-up over the best library path (the decision line). ``--json`` writes it all.
+A contender that cannot run here (torchao not installed) is skipped with a line. Each measurement point times all
+contenders interleaved: --passes passes, each timing every contender over about --budget seconds of calls, the
+fastest pass kept (microseconds per call), so a shared machine slows every contender alike. Printed: microseconds
+and speed-up over float32 (float32 us / contender us), the fastest contender, and each contender's largest error
+against the float32 output relative to its largest value. Last, per shape, the int8 contender with the best
+geometric mean over the row counts of its speed-up over float32 (the decision line). ``--json`` writes it all.
 ``--quick`` (the test's run): d 128, the q/k/v and softmax shapes, rows 1 and 8, a short budget, no compile.
 """
 
@@ -48,15 +43,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from fairseq_ext.inference import amx_int8
 from fairseq_ext.inference.lean_decoder import int8_weight_rows
 
 CONTENDERS = {"float32": "float32", "fbgemm": "fbgemm", "onednn": "oneDNN", "torchao": "torchao",
-              "torchao_compiled": "torchao+compile", "amx": "AMX (ours)"}
-LIBRARY = [k for k in CONTENDERS if k != "amx"]
+              "torchao_compiled": "torchao+compile"}
+INT8 = [k for k in CONTENDERS if k != "float32"]
 TORCHAO_PIP = ".venv/bin/python -m pip install --no-deps torchao==0.18.0"
-NO_AMX = "no AMX on this CPU: the package's AMX kernel cannot run here"
-KEEP = "(keep if >= 1.3x here and >= 5% end to end in bench_sat.py)"
 
 
 def shapes(d: int, vocab: int, quick: bool):
@@ -152,15 +144,6 @@ def amx_tiles() -> bool:
         return False
 
 
-def amx_available(notes: list) -> bool:
-    tiles, why = amx_tiles(), amx_int8.refusal()
-    if not tiles:
-        notes.append(NO_AMX + (f" ({why})" if why else ""))
-    elif why:
-        notes.append(f"the package's AMX kernel cannot run here: {why}")
-    return tiles and why is None
-
-
 def onednn_available(notes: list) -> bool:
     if "onednn" not in torch.backends.quantized.supported_engines or not hasattr(torch.ops.onednn,
                                                                                  "qlinear_pointwise"):
@@ -204,8 +187,6 @@ def build(lin: torch.nn.Linear, available: dict, torchao_api) -> dict:
             # limit and then runs eagerly without a word: each shape starts from an empty cache
             torch._dynamo.reset()
             fns["torchao_compiled"] = torch.compile(ao, dynamic=True)
-    if available["amx"]:
-        fns["amx"] = amx_int8.AmxInt8Linear.from_linear(lin)
     return fns
 
 
@@ -248,12 +229,9 @@ def measure(a, available, torchao_api, notes):
                 us = interleaved_best_us({k: (lambda f=f: f(x)) for k, f in fns.items()}, a.passes, a.budget)
                 if not available["torchao_compiled"]:
                     fns.pop("torchao_compiled", None)
-                lib = [k for k in LIBRARY if k in us]
-                best = min(lib, key=us.get)
                 results.append({
                     "d": d, "shape": name, "N": N, "K": K, "rows": R, "us": us, "err": err,
-                    "x_float32": {k: us["float32"] / t for k, t in us.items()}, "best_library": best,
-                    "amx_vs_best_library": us[best] / us["amx"] if "amx" in us else None})
+                    "x_float32": {k: us["float32"] / t for k, t in us.items()}, "fastest": min(us, key=us.get)})
     return results, compile_s
 
 
@@ -266,19 +244,17 @@ def report(results, notes, header):
         print(line)
     shown = [k for k in CONTENDERS if any(k in r["us"] for r in results)] or ["float32"]
     int8 = [k for k in shown if k != "float32"]
-    print("\nmicroseconds per call (x: float32 us / contender us; best lib: the fastest contender but ours, float32 "
-          "included; AMX/best: best library us / AMX us)")
+    print("\nmicroseconds per call (x: float32 us / contender us; fastest: of all contenders, float32 included)")
     top = f"{'d':>4} {'shape':<9} {'N x K':>11} {'rows':>4} {'float32 us':>10}"
     top += "".join(f" {CONTENDERS[k] + ' us':>{len(CONTENDERS[k]) + 3}} {'x':>6}" for k in int8)
-    print(top + f" {'best lib':>15} {'AMX/best':>8}")
+    print(top + f" {'fastest':>15}")
     for r in results:
         nk = f"{r['N']} x {r['K']}"
         line = f"{r['d']:>4} {r['shape']:<9} {nk:>11} {r['rows']:>4} {r['us']['float32']:>10.1f}"
         for k in int8:
             line += f" {fmt(r['us'].get(k), '.1f', len(CONTENDERS[k]) + 3)} {fmt(r['x_float32'].get(k), '.2f', 5)}"
             line += " " if k not in r["us"] else "x"
-        ratio = r["amx_vs_best_library"]
-        print(line + f" {CONTENDERS[r['best_library']]:>15} {fmt(ratio, '.2f', 7)}{'x' if ratio else ' '}")
+        print(line + f" {CONTENDERS[r['fastest']]:>15}")
     print("\nlargest error against float32, relative to the largest |float32 output|")
     print(f"{'d':>4} {'shape':<9} {'rows':>4}" + "".join(f" {CONTENDERS[k]:>15}" for k in shown))
     for r in results:
@@ -287,20 +263,18 @@ def report(results, notes, header):
 
 
 def decisions(results):
-    """Per shape: the geometric mean over the row counts of best library us / AMX us, and the line to print."""
+    """Per shape: the int8 contender with the best geometric mean over the row counts of float32 us / its us (the
+    path to use for that shape), and the line to print."""
     out = []
     for key in dict.fromkeys((r["d"], r["shape"], r["N"], r["K"]) for r in results):
         group = [r for r in results if (r["d"], r["shape"], r["N"], r["K"]) == key]
-        ratios = [r["amx_vs_best_library"] for r in group]
+        gmean = {k: math.exp(sum(math.log(r["x_float32"][k]) for r in group) / len(group))
+                 for k in INT8 if all(k in r["x_float32"] for r in group)}
         what = f"d {key[0]:>3} {key[1]:<9} {key[2]:>5} x {key[3]:<5}"
-        if any(v is None for v in ratios):
-            out.append({"d": key[0], "shape": key[1], "amx_vs_best_library": None,
-                        "line": f"{what} AMX kernel vs best library: not measurable here (no AMX)"})
-            continue
-        gmean = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
-        by_rows = ", ".join(f"{r['rows']}: {r['amx_vs_best_library']:.2f}x" for r in group)
-        out.append({"d": key[0], "shape": key[1], "amx_vs_best_library": gmean,
-                    "line": f"{what} AMX kernel vs best library: {gmean:.2f}x {KEEP} [by rows {by_rows}]"})
+        best = max(gmean, key=gmean.get)
+        others = ", ".join(f"{CONTENDERS[k]} {v:.2f}x" for k, v in gmean.items() if k != best)
+        out.append({"d": key[0], "shape": key[1], "fastest_int8": best, "x_float32": gmean,
+                    "line": f"{what} fastest int8: {CONTENDERS[best]} {gmean[best]:.2f}x float32 [{others}]"})
     return out
 
 
@@ -336,7 +310,7 @@ def main(argv=None):
 
 def run(a):
     notes = []
-    available = {"onednn": onednn_available(notes), "amx": amx_available(notes)}
+    available = {"onednn": onednn_available(notes)}
     torchao_api = load_torchao(notes)
     available["torchao_compiled"] = torchao_api is not None and not a.no_compile
     if torchao_api is not None and a.no_compile:
@@ -358,7 +332,7 @@ def run(a):
                      f"{compile_s[slowest]:.1f} s ({slowest}; each in the JSON)")
     report(results, notes, header)
     lines = decisions(results)
-    print("\ndecision per shape (geometric mean over the row counts of best library us / AMX us):")
+    print("\ndecision per shape (geometric mean over the row counts of float32 us / contender us):")
     for line in lines:
         print(line["line"])
     if a.json:

@@ -1,5 +1,4 @@
-"""The kernel choices of the opt-in decoding flags, measured (part 5: docs/sat_transformer.md, "The AMX int8 kernel
-in isolation"):
+"""The kernel choices of the opt-in decoding flags, measured:
 
 1. int8 softmax projection (``int8-decoder`` / ``int8-output``): fbgemm (PyTorch's dynamic quantisation) against
    oneDNN's int8 kernel (AMX tiles) by row count, and the kernel that ``Int8RowsLinear`` picks for each;
@@ -9,16 +8,12 @@ in isolation"):
    ``fused_qkv`` (checked equal bit for bit);
 4. ``lean-encoder``: a fairseq transformer encoder (--dim, --ffn, --heads, --layers) on one source of each of
    --src-lens tokens, fairseq's layers against the lean ones, float32 (largest difference printed) and with int8
-   projections (``int8-encoder``);
-5. ``amx-int8-decoder`` / ``amx-int8-encoder``: each product of the model (d x d, the fused 3d x d q/k/v, d x FFN,
-   FFN x d, the V x d softmax projection) by row count, PyTorch's dynamically quantised ``Linear`` (fbgemm) against
-   :class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`, with each one's largest error against the float32 product
-   relative to the output's largest value. Skipped, with a line, where the AMX kernel cannot run.
+   projections (``int8-encoder``).
 
     python benchmarks/bench_kernels.py [--vocab 8000] [--dim 256] [--rows 1 4 8 12 16 24 64 256 1024]
                                        [--batches 1 16 64] [--beam 4] [--cached 10 30] [--qkv-rows 1 4 16 24]
                                        [--ffn 512] [--heads 4] [--layers 3] [--src-lens 10 25 50] [--threads 1]
-                                       [--parts 1 2 3 4 5]
+                                       [--parts 1 2 3 4]
 
 Microseconds are the best of 5 timed repeats; ratios are measured in the same run. Part 1 also checks that both
 kernels give the same numbers (largest difference printed) and is skipped, with a line, where this PyTorch build
@@ -33,7 +28,6 @@ import warnings
 import torch
 
 from bench_beam_rows import best_us as best_of_5_us
-from fairseq_ext.inference import amx_int8
 from fairseq_ext.inference.speedups import Int8RowsLinear, _amx_int8, _quantize, quantize_encoder
 from fairseq_ext.inference.lean_decoder import fused_qkv, reorder_cache
 from fairseq_ext.inference.lean_encoder import lean_encoder
@@ -155,33 +149,6 @@ def encoder_layers(a):
                 print(f"{L:>7} {kind:>6} {t_fairseq:>11.1f} {t_lean:>8.1f} {t_fairseq / t_lean:>5.2f}x {diff:>11.2e}")
 
 
-def amx_products(a):
-    print(f"5. int8 products, fbgemm (int8-*) against AMX tiles (amx-int8-*), {a.threads} thread(s)")
-    why = amx_int8.refusal()
-    if why:
-        print(f"   skipped: {why}")
-        return
-    g = torch.Generator().manual_seed(0)
-    print(f"{'out x in':>12} {'rows':>5} {'fbgemm us':>10} {'AMX us':>8} {'x':>6} {'fbgemm err':>11} {'AMX err':>8}")
-    for N, K in ((a.dim, a.dim), (3 * a.dim, a.dim), (a.ffn, a.dim), (a.dim, a.ffn), (a.vocab, a.dim)):
-        lin = torch.nn.Linear(K, N)
-        with torch.no_grad():
-            lin.weight.normal_(0, K ** -0.5, generator=g)
-        amx = amx_int8.AmxInt8Linear.from_linear(lin)
-        seq = torch.nn.Sequential(copy.deepcopy(lin))
-        _quantize(seq, {torch.nn.Linear}, "bench_kernels")
-        fbgemm = seq[0]
-        with torch.inference_mode():
-            for R in a.qkv_rows:
-                x = torch.randn(R, K, generator=g)
-                want = lin(x)
-                scale = want.abs().max().item()
-                err_f, err_a = ((f(x) - want).abs().max().item() / scale for f in (fbgemm, amx))
-                t_f, t_a = best_us(lambda: fbgemm(x)), best_us(lambda: amx(x))
-                print(f"{f'{N} x {K}':>12} {R:>5} {t_f:>10.1f} {t_a:>8.1f} {t_f / t_a:>5.2f}x {err_f:>11.1e} "
-                      f"{err_a:>8.1e}")
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--vocab", type=int, default=8000)
@@ -196,7 +163,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--src-lens", type=int, nargs="+", default=[10, 25, 50])
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--parts", type=int, nargs="+", choices=range(1, 6), default=list(range(1, 6)),
+    p.add_argument("--parts", type=int, nargs="+", choices=range(1, 5), default=list(range(1, 5)),
                    help="which parts to run (default all)")
     a = p.parse_args(argv)
     if min([a.vocab, a.dim, a.beam, a.threads, a.ffn, a.heads, a.layers] + a.rows + a.batches + a.cached
@@ -208,7 +175,7 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao's deprecation notices
-        for i, part in enumerate((int8_rows, reorders, int8_qkv, encoder_layers, amx_products)):
+        for i, part in enumerate((int8_rows, reorders, int8_qkv, encoder_layers)):
             if i + 1 in a.parts:
                 part(a)
 

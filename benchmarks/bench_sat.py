@@ -19,8 +19,7 @@ contender in turn, in a rotating random order) so that the load of the machine a
 * ours SAT K=2/4/6 (3+3);
 * with ``--quantize output|decoder|all|...`` (opt-in, repeatable): our K=1 and SATs after
   :func:`fairseq_ext.inference.speedups.quantize_decoder` (int8 softmax projection / every decoder nn.Linear;
-  'all': and :func:`~fairseq_ext.inference.speedups.quantize_encoder`; 'amx', 'amx-lean': int8 on AMX tiles,
-  :mod:`fairseq_ext.inference.amx_int8`, skipped with a note without AMX; see --help), with
+  'all': and :func:`~fairseq_ext.inference.speedups.quantize_encoder`; see --help), with
   their agreement with the float hypotheses (and BLEU with trained models);
 * with ``--baseline-rev REV``: our K=1 with ``fairseq_ext/sat/generator.py`` as committed at REV (git), to
   measure what the generator's own changes give (the models are the same).
@@ -82,9 +81,7 @@ from bench_sat_contenders import RANDOM_SIZES, Contender, build_random_models, c
 # --quantize / --float-opt choices -> the fairseq_ext.inference.speedups speed-ups they apply (apply_speedups names)
 INT8_SPEEDUPS = {"output": "int8-output", "decoder": "int8-decoder", "all": "int8-decoder,int8-encoder",
                  "all-lean": "int8-decoder,int8-encoder,lean-decoder,lean-encoder",
-                 "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder",
-                 "amx": "amx-int8-decoder,amx-int8-encoder",
-                 "amx-lean": "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"}
+                 "all-lean-decoder": "int8-decoder,int8-encoder,lean-decoder"}
 FLOAT_SPEEDUPS = {"prepack": "prepack", "lean": "lean-decoder,lean-encoder", "lean-prepack": "lean-decoder,lean-encoder,prepack",
                   "lean-decoder": "lean-decoder", "own-step": ""}
 # what this benchmark checks: batch-1, one-thread CPU speed-ups over our own K=1 in the same run (set for
@@ -126,10 +123,7 @@ def parse_args(argv=None):
                         "layers): int8 softmax projection ('output') or every decoder nn.Linear ('decoder'); "
                         "'all': every decoder and encoder nn.Linear (quantize_encoder too); 'all-lean': 'all' with "
                         "the lean incremental decoder step and encoder layers (fairseq_ext.inference.lean_decoder, "
-                        "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; 'amx': every "
-                        "decoder and encoder nn.Linear on AMX int8 tiles (fairseq_ext.inference.amx_int8; skipped "
-                        "with a note where the CPU lacks AMX); 'amx-lean': 'amx' with the lean decoder step and "
-                        "encoder layers; repeatable")
+                        "lean_encoder); 'all-lean-decoder': 'all' with the lean decoder step only; repeatable")
     p.add_argument("--float-opt", action="append", default=[], choices=list(FLOAT_SPEEDUPS),
                    help="also measure our K=1 and SATs in float32 after the speed-ups of "
                         "fairseq_ext.inference.speedups: 'prepack' (the softmax projection through MKL's packed "
@@ -281,7 +275,6 @@ def main(argv=None):
     from fairseq import checkpoint_utils
     from fairseq.sequence_generator import SequenceGenerator
 
-    from fairseq_ext.inference import amx_int8
     from fairseq_ext.inference.speedups import apply_speedups
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
@@ -373,9 +366,6 @@ def main(argv=None):
     variants = [(f"int8 {layers}", INT8_SPEEDUPS[layers]) for layers in args.quantize]
     variants += [(f"float {opt}", FLOAT_SPEEDUPS[opt]) for opt in args.float_opt]
     for family, speedups in variants:
-        if "amx-int8" in speedups and amx_int8.refusal():
-            print(f"skipped [{family}]: {amx_int8.refusal()}", flush=True)
-            continue
         for c in float_ours:
             m = apply_speedups(copy.deepcopy(c.model), speedups)
             own = {"lean_step": False} if family == "float own-step" else {}

@@ -64,7 +64,6 @@ with warnings.catch_warnings():  # torch.ao announces its move to torchao
 
 from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference.amx_int8 import AmxInt8Linear
 
 STATE_KEY = "fairseq_ext.lean_decoder"
 CACHE_BLOCK = 64  # positions a key/value cache grows by (the lean step's and the lean encoder's)
@@ -174,18 +173,12 @@ def _stacked_int8(ws):
     return fused
 
 
-def _stacked_amx(ws):
-    return AmxInt8Linear.stacked(list(ws))
-
-
 def _projection_key(ws):
     """What identifies the three projections' weights now (a change makes the fused one again)."""
     if all(type(m) is torch.nn.Linear for m in ws):
         return "float", tuple((m.weight._version, m.weight.data_ptr()) for m in ws)
     if all(isinstance(m, _DynamicQuantizedLinear) for m in ws):
         return "int8", tuple(m._packed_params._packed_params for m in ws)
-    if all(isinstance(m, AmxInt8Linear) for m in ws):
-        return "amx", ws
     return None, None
 
 
@@ -196,7 +189,7 @@ def _same_key(a, b) -> bool:
 def fused_qkv(att) -> Optional[Callable[[Tensor], Tensor]]:
     """The three projections of ``att`` (a fairseq ``MultiheadAttention``) as one call x -> [q | k | v], whatever
     they are: float ``nn.Linear`` (one [3C, C] product), PyTorch's int8 ``Linear`` (one int8 call, bit for bit the
-    three calls) or ``AmxInt8Linear`` (one stacked call, bit for bit); made once and again when a weight changes;
+    three calls); made once and again when a weight changes;
     None for any other mix (then they are called one by one). One int8 call instead of three costs well under half
     (``python benchmarks/bench_kernels.py``)."""
     ws = (att.q_proj, att.k_proj, att.v_proj)
@@ -205,7 +198,7 @@ def fused_qkv(att) -> Optional[Callable[[Tensor], Tensor]]:
         return None
     cached = getattr(att, "_fairseq_ext_fused_qkv", None)
     if cached is None or not _same_key(cached[0], (kind, key)):
-        make = {"float": _stacked_float, "int8": _stacked_int8, "amx": _stacked_amx}[kind]
+        make = {"float": _stacked_float, "int8": _stacked_int8}[kind]
         cached = ((kind, key), make(ws))
         object.__setattr__(att, "_fairseq_ext_fused_qkv", cached)  # a tuple: not a submodule, no state_dict entry
     return cached[1]

@@ -9,8 +9,6 @@ lean step, :mod:`fairseq_ext.inference.lean_decoder`):
     int8-output        int8 softmax projection (PyTorch's dynamic quantisation: fbgemm; oneDNN for many rows)
     int8-decoder       every nn.Linear of the decoder in int8 (the same)
     int8-encoder       every nn.Linear of the encoder in int8 (the same)
-    amx-int8-decoder   every nn.Linear of the decoder in int8 on AMX tiles (fairseq_ext/inference/amx_int8.py)
-    amx-int8-encoder   the same for the encoder
 
 The float32 ones keep the model's numbers up to the order of the sums (~1e-6; the same hypotheses except at
 near-ties); the int8 ones change the outputs a little (int8 rounding), so hypotheses can differ from the float
@@ -27,7 +25,6 @@ import weakref
 import torch
 
 from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.inference import amx_int8
 from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear, int8_weight_rows, lean_decoder
 from fairseq_ext.inference.lean_encoder import lean_encoder
 
@@ -195,29 +192,6 @@ def quantize_encoder(model):
     return model
 
 
-def amx_quantize_decoder(model):
-    """Every ``nn.Linear`` of ``model.decoder`` (the softmax projection too) as an int8 layer on AMX tiles
-    (:class:`fairseq_ext.inference.amx_int8.AmxInt8Linear`), in place; returns the model in eval mode. Refused with
-    one line where the CPU, the OS or the compiler cannot run the kernel."""
-    return _amx_quantize(model, "decoder")
-
-
-def amx_quantize_encoder(model):
-    """Every ``nn.Linear`` of ``model.encoder`` as an int8 layer on AMX tiles, in place; returns the model."""
-    return _amx_quantize(model, "encoder")
-
-
-def _amx_quantize(model, part):
-    module = getattr(model, part, None)
-    if module is None:
-        raise FairseqExtError(f"amx_quantize_{part}: the model has no .{part} (give a fairseq encoder-decoder model)")
-    model.eval()
-    _unfuse_attention(module)
-    if not amx_int8.replace_linears(module, f"amx-int8-{part}"):
-        raise FairseqExtError(f"amx-int8-{part}: the {part} has no nn.Linear to quantise")
-    return model
-
-
 def _check_engine(name):
     engines = torch.backends.quantized.supported_engines
     if "fbgemm" not in engines and "x86" not in engines:
@@ -250,8 +224,6 @@ SPEEDUPS = {  # name -> function(model); applied in this order
     "int8-output": lambda m: quantize_decoder(m, layers="output"),
     "int8-decoder": lambda m: quantize_decoder(m, layers="decoder"),
     "int8-encoder": quantize_encoder,
-    "amx-int8-decoder": amx_quantize_decoder,
-    "amx-int8-encoder": amx_quantize_encoder,
     "prepack": prepack_output,
     "lean-decoder": lean_decoder,
     "lean-encoder": lean_encoder,
@@ -273,8 +245,8 @@ def apply_speedups(model, names: str, flag: str = "speedups"):
     unknown = [n for n in wanted if n not in SPEEDUPS]
     if unknown:
         raise FairseqExtError(f"{flag}: unknown speed-up {unknown[0]!r}; choose from {', '.join(SPEEDUPS)}")
-    for what, group in (("the softmax projection", ("int8-decoder", "int8-output", "amx-int8-decoder", "prepack")),
-                        ("the encoder's projections", ("int8-encoder", "amx-int8-encoder"))):
+    for what, group in (("the softmax projection", ("int8-decoder", "int8-output", "prepack")),
+                        ("the encoder's projections", ("int8-encoder",))):
         # int8-decoder quantises int8-output's layer too: that pair is allowed
         clash = [n for n in group if n in wanted and not (n == "int8-output" and "int8-decoder" in wanted)]
         if len(clash) > 1:

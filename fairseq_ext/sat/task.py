@@ -42,9 +42,8 @@ class TranslationSATConfig(TranslationConfig):
         metadata={"help": "comma-separated CPU decoding speed-ups applied to the loaded models (fairseq_ext."
                           "inference.speedups): prepack, lean-decoder and lean-encoder keep float32 "
                           "(sums reordered, ~1e-6); int8-output, int8-decoder, int8-encoder quantise the softmax "
-                          "projection / every decoder / every encoder nn.Linear (outputs change a little); "
-                          "amx-int8-decoder, amx-int8-encoder do the same with int8 products on AMX tiles (CPUs with "
-                          "AMX; fairseq_ext/inference/amx_int8.py). Inference only."})
+                          "projection / every decoder / every encoder nn.Linear (outputs change a little). Inference "
+                          "only."})
     no_lean_step: bool = field(
         default=False,
         metadata={"help": "decode with the decoder's own incremental step (fairseq's layers) instead of the lean "

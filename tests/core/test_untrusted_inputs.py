@@ -1,6 +1,6 @@
 """Untrusted inputs through the real entry points (``python -m fairseq_cli.interactive --user-dir fairseq_ext``,
 the hub's ``from_pretrained``, the ``main`` of ``python -m fairseq_ext.average_checkpoints``): model archives, BERT
-directories, damaged checkpoints, legacy ``args`` checkpoints, interactive input, the native-code switch, and the
+directories, damaged checkpoints, legacy ``args`` checkpoints, interactive input, the absence of any compiler call, and the
 inputs that used to end in a traceback. A payload only ever creates a marker file, which must not exist afterwards.
 
 The checkpoints are the shipped releases (releases/bible-de-en, bible-en-de) or copies of them changed here, so
@@ -144,21 +144,21 @@ def interactive_runs(tmp_path_factory):
     fake_cc = w / "fake-cc"  # a compiler that leaves a mark
     fake_cc.write_text(f"#!/bin/sh\ntouch {compiled}\nexit 1\n")
     fake_cc.chmod(0o755)
-    native_on = {"FAIRSEQ_EXT_CACHE": str(cache), "CC": str(fake_cc)}
-    native_off = dict(native_on, FAIRSEQ_EXT_NATIVE="0")
+    with_cc = {"FAIRSEQ_EXT_CACHE": str(cache), "CC": str(fake_cc), "CXX": str(fake_cc)}
 
     def interactive(args, text=INPUT, env=None):
         return lambda: run_cli("interactive", args, input=text, check=False, env=env)
 
     jobs = {
         "lines": interactive(interactive_args(str(d), transformer) + ["--max-source-positions", "30"]),
-        # the SAT generator with the native switch off, then on: PyTorch's ops, nothing compiled either way
+        # the SAT generator with a compiler that leaves a mark: PyTorch's ops, nothing compiled
         "lines_sat": interactive(interactive_args(str(d), sat, "translation_sat") + ["--max-source-positions", "30"],
-                                 env=native_off),
-        "sat_native_on": interactive(interactive_args(str(d), sat, "translation_sat"), "Der Herr.\n", native_on),
-        # the AMX kernel (the one native path) under the switch: refused, nothing compiled
-        "amx_native_off": interactive(interactive_args(str(d), sat, "translation_sat")
-                                      + ["--inference-speedups", "amx-int8-decoder"], "Der Herr.\n", native_off),
+                                 env=with_cc),
+        "sat_int8": interactive(interactive_args(str(d), sat, "translation_sat")
+                                + ["--inference-speedups", "int8-decoder,lean-encoder"], "Der Herr.\n", with_cc),
+        # the AMX kernel has left the package: its flag is an unknown speed-up
+        "amx": interactive(interactive_args(str(d), sat, "translation_sat")
+                           + ["--inference-speedups", "amx-int8-decoder"], "Der Herr.\n", with_cc),
         "flip": interactive(interactive_args(str(d), flip, "translation_sat"), "Der Herr.\n"),
         "legacy_secret": interactive(interactive_args(str(d), str(w / "legacy_secret.pt")), "Der Herr.\n",
                                      {"FAIRSEQ_EXT_TEST_SECRET": SECRET}),
@@ -203,20 +203,18 @@ def test_interactive_keeps_going_after_a_line_that_is_too_long_and_reads_a_lone_
     assert "king" in out[0] and "afraid" in out[2] and "Lord" in out[3], out
 
 
-# ------------------------------------------------------------------------------------------ 5. native switch
+# ---------------------------------------------------------------------------------------- 5. no compiler call
 
-def test_sat_decoding_compiles_nothing_and_fairseq_ext_native_0_refuses_the_amx_kernel(interactive_runs):
-    """With a CC that would leave a mark: the SAT generator decodes on PyTorch's ops with FAIRSEQ_EXT_NATIVE=0 (the
-    run above) and without it, and ``--inference-speedups amx-int8-decoder`` (the one flag that builds C) is refused
-    under the switch with one line naming the flag and the switch, on any CPU. Nothing is compiled, no cache made."""
-    for name in ("lines_sat", "sat_native_on"):
+def test_sat_decoding_compiles_nothing_and_the_amx_flag_is_unknown(interactive_runs):
+    """With a CC / CXX that would leave a mark: the SAT generator decodes on PyTorch's ops, float and int8, and
+    ``--inference-speedups amx-int8-decoder`` (the removed hand-written kernel) is one line naming the flag.
+    Nothing is compiled, no cache made."""
+    for name in ("lines_sat", "sat_int8"):
         proc = interactive_runs["results"][name]
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert "SAT generator: K=2, beam 2; decoder step: lean" in proc.stdout + proc.stderr, name
         assert _outputs(proc.stdout), (name, proc.stdout[-2000:])
-    assert_one_line_error(interactive_runs["results"]["amx_native_off"],
-                          "amx-int8-decoder: AMX int8 kernel unavailable: "
-                          "native code turned off by FAIRSEQ_EXT_NATIVE=0")
+    assert_one_line_error(interactive_runs["results"]["amx"], "unknown speed-up 'amx-int8-decoder'")
     assert not interactive_runs["compiled"].exists() and not interactive_runs["cache"].exists()
 
 

@@ -14,7 +14,6 @@ from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 import fairseq_ext.inference.lean_decoder as lean_module
-from fairseq_ext.inference import amx_int8
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.speedups import (PackedLinear, apply_speedups, prepack_output, quantize_decoder,
                                            quantize_encoder)
@@ -536,9 +535,8 @@ def test_apply_speedups_by_name_once_each():
 @pytest.mark.slow
 def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     """fairseq-interactive --task translation_sat on the shipped SAT release: --inference-speedups prepack and
-    lean-decoder,lean-encoder give the float model's translations (and int8-decoder
-    and, where the CPU has AMX, amx-int8-* translations with the meaning kept); an unknown name stops it with one
-    line naming the flag."""
+    lean-decoder,lean-encoder give the float model's translations (and int8-decoder translations with the meaning
+    kept); an unknown name stops it with one line naming the flag."""
     release_dir = os.path.join(ROOT, "releases", "bible-de-en")
     if "sat_transformer_k2" not in read_manifest(release_dir)["models"]:
         pytest.skip("no sat_transformer_k2 in releases/bible-de-en")
@@ -562,9 +560,5 @@ def test_inference_speedups_flag_keeps_the_release_translations(tmp_path):
     assert translate("--inference-speedups", "lean-decoder,lean-encoder") == plain
     for out, words in zip(translate("--inference-speedups", "int8-decoder"), DEMO.values()):
         assert all(w in out for w in words), out
-    if amx_int8.refusal() is None:  # int8 on AMX tiles, with the lean step and layers: the meaning kept
-        amx = "amx-int8-decoder,amx-int8-encoder,lean-decoder,lean-encoder"
-        for out, words in zip(translate("--inference-speedups", amx), DEMO.values()):
-            assert all(w in out for w in words), out
     proc = run_cli("interactive", [tmp_path] + base + ["--inference-speedups", "fast"], input=sentences, check=False)
     assert proc.returncode != 0 and "--inference-speedups: unknown speed-up 'fast'" in proc.stderr

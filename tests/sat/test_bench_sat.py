@@ -145,17 +145,9 @@ def test_bench_kernels_runs_every_part():
     assert [(r[0], r[1]) for r in rows] == [("4", "3"), ("8", "3")]
     part4 = lines.index(next(x for x in lines if x.startswith("4. ")))
     assert [x.split()[0] for x in lines[part3 + 2: part4]] == ["3"]  # fused int8 q/k/v (checked equal in the script)
-    part5 = lines.index(next(x for x in lines if x.startswith("5. ")))
-    rows = [x.split() for x in lines[part4 + 2: part5]]  # lean encoder: float32 gives fairseq's, int8 close to it
+    rows = [x.split() for x in lines[part4 + 2:]]  # lean encoder: float32 gives fairseq's, int8 close to it
     assert [(r[0], r[1]) for r in rows] == [("5", "float"), ("5", "int8")]
     assert float(rows[0][5]) < 1e-6 and float(rows[1][5]) < 0.1
-    if "skipped" not in lines[part5 + 1]:  # AMX int8 against fbgemm for each product of the model, 3 rows
-        amx = [x.split() for x in lines[part5 + 2:]]
-        assert [(r[0], r[2], r[3]) for r in amx] == [("32", "32", "3"), ("96", "32", "3"), ("48", "32", "3"),
-                                                     ("32", "48", "3"), ("600", "32", "3")]
-        assert all(float(r[8]) < 0.02 for r in amx)  # the AMX product's error against float32, relative
-    else:
-        assert len(lines) == part5 + 2  # the part's title and its one line
 
 
 def test_bench_beam_parts_runs_and_accounts_for_every_part():
