@@ -7,10 +7,10 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
     model.py        the SAT decoder (relaxed causal mask, SAT decoder input), ``sat_transformer``,
                     ``--sat-group-size K`` (read by :func:`~fairseq_ext.sat.model.group_size`),
                     ``--sat-init-from``
-    generator.py    the semi-autoregressive generator (greedy and group beam search) and
-                    :func:`~fairseq_ext.sat.generator.build_sat_generator`
+    generator.py    the semi-autoregressive generator (greedy and group beam search)
     group_step.py   the beam's group step: the exact top B K-word continuations (enumerated or pruned)
-    task.py         ``--task translation_sat``: fairseq's translation task with that generator
+    task.py         ``--task translation_sat``: fairseq's translation task with that generator, and
+                    :func:`~fairseq_ext.sat.task.build_sat_generator` (plain, group beam or speculative)
     speculative.py  ``--sat-draft-path SAT.pt``: lossless speculative greedy decoding of an autoregressive verifier
                     with a SAT drafter
     distill.py      ``python -m fairseq_ext.sat.distill``: a distilled training set from fairseq-generate output

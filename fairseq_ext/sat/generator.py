@@ -32,7 +32,6 @@ from torch import Tensor
 
 from fairseq import search, utils
 from fairseq.models import FairseqIncrementalDecoder
-from fairseq.tasks.translation import TranslationTask
 from fairseq.sequence_generator import (
     EnsembleModelWithAlignment,
     SequenceGenerator,
@@ -415,89 +414,3 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         # callers update the hypotheses in place (fairseq-generate divides positional_scores by log 2), which
         # inference tensors do not allow outside inference mode: hand back ordinary copies
         return [[{k: v.clone() if isinstance(v, Tensor) else v for k, v in h.items()} for h in hs] for hs in out]
-
-
-def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
-                        prefix_allowed_tokens_fn=None, draft_path: Optional[str] = None,
-                        draft_speedups: Optional[str] = None, **unused):
-    """The semi-autoregressive generator for ``models`` (one SAT or transformer model) and generation
-    options ``args`` (fairseq's GenerationConfig or a Namespace); with a drafter (``draft_path``, else the task's
-    ``--sat-draft-path``) the speculative greedy search of :mod:`fairseq_ext.sat.speculative`."""
-    if getattr(args, "score_reference", False):
-        return TranslationTask.build_generator(task, models, args)
-    unsupported = [
-        (getattr(args, "sampling", False), "--sampling"),
-        (getattr(args, "diverse_beam_groups", -1) > 0, "--diverse-beam-groups"),
-        (getattr(args, "diversity_rate", -1) > -1, "--diversity-rate"),
-        (bool(getattr(args, "constraints", False)), "--constraints"),
-        (getattr(args, "prefix_size", 0) > 0, "--prefix-size"),
-        (prefix_allowed_tokens_fn is not None or getattr(args, "prefix_allowed_tokens_fn", None) is not None,
-         "prefix_allowed_tokens_fn"),
-        (bool(extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None), "--lm-path"),
-        (seq_gen_cls is not None, "a custom seq_gen_cls"),
-        (getattr(args, "retain_dropout", False), "--retain-dropout"),
-        (getattr(args, "match_source_len", False), "--match-source-len"),
-    ]
-    for bad, flag in unsupported:
-        if bad:
-            raise FairseqExtError(
-                f"{flag} is not supported by --task translation_sat (semi-autoregressive group decoding "
-                f"supports beam search and greedy search); remove it")
-    if len(models) != 1:
-        raise FairseqExtError(
-            f"--task translation_sat decodes one model, got {len(models)} (--path a.pt:b.pt); average "
-            f"checkpoints with python -m fairseq_ext.average_checkpoints instead")
-    _check_decodable(models[0])
-    beam = getattr(args, "beam", 5)
-    nbest = getattr(args, "nbest", 1)
-    if nbest > beam:
-        raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    opts = dict(
-        print_alignment=getattr(args, "print_alignment", None) or None,
-        lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
-        beam_size=beam,
-        max_len_a=getattr(args, "max_len_a", 0),
-        max_len_b=getattr(args, "max_len_b", 200),
-        min_len=getattr(args, "min_len", 1),
-        normalize_scores=(not getattr(args, "unnormalized", False)),
-        len_penalty=getattr(args, "lenpen", 1),
-        unk_penalty=getattr(args, "unkpen", 0),
-        temperature=getattr(args, "temperature", 1.0),
-        no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
-    )
-    cfg = getattr(task, "cfg", None)
-    draft_path = draft_path or getattr(cfg, "sat_draft_path", None) or getattr(args, "sat_draft_path", None)
-    if draft_path:
-        from fairseq_ext.sat.speculative import build_speculative  # speculative.py builds on this module
-
-        speedups = draft_speedups or getattr(cfg, "sat_draft_speedups", "") or ""
-        max_batch = getattr(cfg, "sat_draft_max_batch", None)
-        gen = build_speculative(task, models, draft_path, speedups, **opts,
-                                **({} if max_batch is None else {"max_batch": max_batch}))
-        logger.info(f"SAT generator: speculative greedy search, verifier {type(models[0]).__name__} (K=1), drafter "
-                    f"K={gen.K} ({draft_path}; encoder {'shared' if gen.shares_encoder else 'its own'}); "
-                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else
-                       f"decoder steps: lean, cached length per row; batches over {gen.max_batch} decoded alone"))
-        return gen
-    gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
-    logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
-                f"{'lean' if gen.uses_lean_step else 'own'}")
-    return gen
-
-
-def _check_decodable(model):
-    """The group search reads a transformer-shaped decoder (a SAT's, or fairseq's transformer as K = 1); any other
-    (fconv's beamable attention, an LSTM) is refused with one line naming the checkpoint and the task that decodes
-    it."""
-    from fairseq.models.transformer import TransformerDecoderBase
-
-    decoder = getattr(model, "decoder", None)
-    if isinstance(decoder, TransformerDecoderBase):
-        return
-    from fairseq_ext.checkpoint_io import checkpoint_of
-
-    where = checkpoint_of(model) or f"the {type(model).__name__} model"
-    raise FairseqExtError(
-        f"{where}: --task translation_sat decodes a sat_transformer or a fairseq transformer, not a "
-        f"{type(model).__name__} ({type(decoder).__name__}); decode it with --task translation")
-

@@ -237,13 +237,13 @@ class SATModel(TransformerModel):
         model with that drafter (:mod:`fairseq_ext.sat.speculative`)."""
         import functools
 
-        from fairseq_ext.sat.generator import build_sat_generator
+        from fairseq.tasks import TASK_REGISTRY  # the SAT generator by the task's registered name
 
         draft = {k[4:]: kwargs.pop(k) for k in ("sat_draft_path", "sat_draft_speedups") if kwargs.get(k)}
         hub = super().from_pretrained(model_name_or_path, checkpoint_file, data_name_or_path, **kwargs)
         if not getattr(hub.task, "builds_sat_generator", False) or draft:
             build = hub.task.build_generator if getattr(hub.task, "builds_sat_generator", False) else \
-                functools.partial(build_sat_generator, hub.task)
+                functools.partial(TASK_REGISTRY["translation_sat"].sat_generator, hub.task)
             hub.task.build_generator = functools.partial(build, **draft)
         return hub
 

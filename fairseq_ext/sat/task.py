@@ -5,7 +5,7 @@ Data, batching and training are those of ``--task translation`` (the SAT shift o
 inside the model). What changes:
 
 * :meth:`build_generator` returns :class:`~fairseq_ext.sat.generator.SATSequenceGenerator` (built by
-  :func:`~fairseq_ext.sat.generator.build_sat_generator`) for
+  :func:`build_sat_generator`, which the SAT hub also calls for checkpoints of other tasks) for
   fairseq-generate, fairseq-interactive, ``--eval-bleu`` validation and the hub interface; options it cannot
   honour (sampling, diverse beam search, constraints, prefix tokens, language-model fusion, ensembles) fail
   with one clear line;
@@ -23,16 +23,97 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_ext.building import RecordsCheckpointBuild
+from fairseq_ext.checkpoint_io import checkpoint_of
 from fairseq_ext.errors import FairseqExtError
 from fairseq_ext.inference.speedups import apply_speedups
-from fairseq_ext.sat.generator import build_sat_generator
-from fairseq_ext.sat.speculative import MAX_BATCH
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from fairseq_ext.sat.speculative import MAX_BATCH, build_speculative
 
 logger = logging.getLogger(__name__)
+
+
+def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None,
+                        prefix_allowed_tokens_fn=None, draft_path: Optional[str] = None,
+                        draft_speedups: Optional[str] = None, **unused):
+    """The semi-autoregressive generator for ``models`` (one SAT or transformer model) and generation
+    options ``args`` (fairseq's GenerationConfig or a Namespace); with a drafter (``draft_path``, else the task's
+    ``--sat-draft-path``) the speculative greedy search of :mod:`fairseq_ext.sat.speculative`."""
+    if getattr(args, "score_reference", False):
+        return TranslationTask.build_generator(task, models, args)
+    unsupported = [
+        (getattr(args, "sampling", False), "--sampling"),
+        (getattr(args, "diverse_beam_groups", -1) > 0, "--diverse-beam-groups"),
+        (getattr(args, "diversity_rate", -1) > -1, "--diversity-rate"),
+        (bool(getattr(args, "constraints", False)), "--constraints"),
+        (getattr(args, "prefix_size", 0) > 0, "--prefix-size"),
+        (prefix_allowed_tokens_fn is not None or getattr(args, "prefix_allowed_tokens_fn", None) is not None,
+         "prefix_allowed_tokens_fn"),
+        (bool(extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None), "--lm-path"),
+        (seq_gen_cls is not None, "a custom seq_gen_cls"),
+        (getattr(args, "retain_dropout", False), "--retain-dropout"),
+        (getattr(args, "match_source_len", False), "--match-source-len"),
+    ]
+    for bad, flag in unsupported:
+        if bad:
+            raise FairseqExtError(
+                f"{flag} is not supported by --task translation_sat (semi-autoregressive group decoding "
+                f"supports beam search and greedy search); remove it")
+    if len(models) != 1:
+        raise FairseqExtError(
+            f"--task translation_sat decodes one model, got {len(models)} (--path a.pt:b.pt); average "
+            f"checkpoints with python -m fairseq_ext.average_checkpoints instead")
+    _check_decodable(models[0])
+    beam = getattr(args, "beam", 5)
+    nbest = getattr(args, "nbest", 1)
+    if nbest > beam:
+        raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
+    opts = dict(
+        print_alignment=getattr(args, "print_alignment", None) or None,
+        lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
+        beam_size=beam,
+        max_len_a=getattr(args, "max_len_a", 0),
+        max_len_b=getattr(args, "max_len_b", 200),
+        min_len=getattr(args, "min_len", 1),
+        normalize_scores=(not getattr(args, "unnormalized", False)),
+        len_penalty=getattr(args, "lenpen", 1),
+        unk_penalty=getattr(args, "unkpen", 0),
+        temperature=getattr(args, "temperature", 1.0),
+        no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
+    )
+    cfg = getattr(task, "cfg", None)
+    draft_path = draft_path or getattr(cfg, "sat_draft_path", None) or getattr(args, "sat_draft_path", None)
+    if draft_path:
+        speedups = draft_speedups or getattr(cfg, "sat_draft_speedups", "") or ""
+        max_batch = getattr(cfg, "sat_draft_max_batch", None)
+        gen = build_speculative(task, models, draft_path, speedups, **opts,
+                                **({} if max_batch is None else {"max_batch": max_batch}))
+        logger.info(f"SAT generator: speculative greedy search, verifier {type(models[0]).__name__} (K=1), drafter "
+                    f"K={gen.K} ({draft_path}; encoder {'shared' if gen.shares_encoder else 'its own'}); "
+                    + (f"no drafts: {gen.refusal()}" if gen.refusal() else
+                       f"decoder steps: lean, cached length per row; batches over {gen.max_batch} decoded alone"))
+        return gen
+    gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
+    logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
+                f"{'lean' if gen.uses_lean_step else 'own'}")
+    return gen
+
+
+def _check_decodable(model):
+    """The group search reads a transformer-shaped decoder (a SAT's, or fairseq's transformer as K = 1); any other
+    (fconv's beamable attention, an LSTM) is refused with one line naming the checkpoint and the task that decodes
+    it."""
+    decoder = getattr(model, "decoder", None)
+    if isinstance(decoder, TransformerDecoderBase):
+        return
+    where = checkpoint_of(model) or f"the {type(model).__name__} model"
+    raise FairseqExtError(
+        f"{where}: --task translation_sat decodes a sat_transformer or a fairseq transformer, not a "
+        f"{type(model).__name__} ({type(decoder).__name__}); decode it with --task translation")
 
 
 @dataclass
@@ -73,6 +154,7 @@ class TranslationSATTask(RecordsCheckpointBuild, TranslationTask):
     """Translation with semi-autoregressive (group) decoding; see the module docstring."""
 
     builds_sat_generator = True  # read by SATModel.from_pretrained (models never import tasks)
+    sat_generator = staticmethod(build_sat_generator)  # the hub's, for a checkpoint of any task
 
     def __init__(self, cfg, src_dict, tgt_dict):
         super().__init__(cfg, src_dict, tgt_dict)
