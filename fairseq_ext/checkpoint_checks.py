@@ -1,14 +1,23 @@
 """What :mod:`fairseq_ext.checkpoint_io`'s safe loader checks besides the pickle and the config strings: the zip
-records' CRC-32s (before unpickling), that the weights are finite, and that the meters fairseq restores on
-``--restore-file`` are meters. Each check raises one line naming the file.
+records' CRC-32s (before unpickling), that everything but the config is plain data, the weights' dtypes and that
+they are finite, the data iterator's position, and that the meters fairseq restores on ``--restore-file`` are
+meters. Each check raises one line naming the file.
 
 * **CRC-32.** torch writes a CRC-32 into every record of a checkpoint's zip file but does not check it when it
   reads one, so one changed bit in a weight loads silently (a flipped mantissa bit changed 4 of 40 hypotheses of a
   release; a flipped exponent bit made fairseq's search fail) and one in ``data.pkl`` renames a weight.
-  :func:`verify_zip` reads every record and compares (``zipfile.ZipFile.testzip``; ``python
-  benchmarks/bench_checkpoint_checks.py`` times it beside ``torch.load`` on the release checkpoints). It guarantees
+  :func:`verify_zip` reads every record and compares (``zipfile.ZipFile.testzip``; ``python -m
+  benchmarks.speed.checkpoint_checks`` times it beside ``torch.load`` on the release checkpoints). It guarantees
   that the file is the one torch wrote, not that torch wrote what its author meant (a file changed and re-zipped
   has valid CRCs). Checkpoints in torch's legacy (non-zip) format have no CRCs: they are read as they are.
+* **Plain data.** :func:`plain_data_problem` names the first object outside ``args`` and ``cfg`` (which
+  :mod:`fairseq_ext.checkpoint_config` checks) that is not a dict, list, tuple, set, number, string, bytes, tensor
+  or numpy number or array of numbers: an omegaconf node in ``extra_state`` resolves ``${oc.env:...}`` when
+  fairseq reads it (and prints it: "Loaded checkpoint ... (epoch <value> @ ...)").
+* **Dtypes.** :func:`odd_dtype_weight` names the first tensor of ``state["model"]`` whose dtype is not one of
+  :data:`WEIGHT_DTYPES` (a complex NaN weight passed the finite check and loaded without its imaginary part).
+* **Data iterator.** :func:`train_iterator_problem`: ``extra_state.train_iterator``'s epoch and position are
+  whole numbers (fairseq computes with them on ``--restore-file``).
 * **Finite weights.** :func:`non_finite_weight` names the first floating-point tensor of ``state["model"]`` that
   holds a NaN or an infinity (a training that diverged, or a file changed on purpose).
 * **Meters.** fairseq's ``Trainer.load_checkpoint`` rebuilds ``extra_state["metrics"]`` by looking up each meter's
@@ -19,7 +28,9 @@ records' CRC-32s (before unpickling), that the weights are finite, and that the 
 import math
 import numbers
 import os
+import re
 import zipfile
+from collections.abc import Mapping
 
 import torch
 
@@ -63,6 +74,113 @@ def verify_zip(f, path):
             f"checkpoint {path} is damaged: the bytes of its record {bad} do not match their CRC-32 (changed on disk "
             "or in a copy since torch wrote it); use another copy or checkpoint (e.g. checkpoint_best.pt or an "
             "epoch checkpoint)")
+
+
+MAX_DEPTH = 64  # containers in containers outside the config (fairseq's own: 5)
+_PLAIN_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.dtype, torch.device)
+_NAME = re.compile(r"[A-Za-z_]\w{0,63}")
+
+
+def _kind(obj):
+    """``an omegaconf DictConfig``, ``an argparse.Namespace``, ``a type``: what ``obj`` is, never its value."""
+    t = type(obj)
+    module = t.__module__ or ""
+    if module.split(".")[0] == "omegaconf":
+        return f"an omegaconf {t.__name__}"
+    name = t.__qualname__ if module == "builtins" else f"{module}.{t.__qualname__}"
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name[:80]}"
+
+
+def _child(where, key):
+    """The path of ``where[key]``: ``extra_state.train_iterator``, ``optimizer_history[0]``, ``model['a.b']``."""
+    if isinstance(key, str) and _NAME.fullmatch(key):
+        return f"{where}.{key}" if where else key
+    if isinstance(key, int) and not isinstance(key, bool):
+        return f"{where}[{key}]"
+    return f"{where}[{repr(key)[:60]}]"
+
+
+def plain_data_problem(state):
+    """``(where, what)`` for the first object of ``state`` outside ``state["args"]`` and ``state["cfg"]`` that is not
+    plain data (see the module docstring), or None. Only types are looked at: no omegaconf value is read."""
+    import numpy as np
+
+    seen = set()
+
+    def walk(obj, where, depth):
+        if isinstance(obj, _PLAIN_LEAVES) or torch.is_tensor(obj):
+            return None
+        if isinstance(obj, (np.generic, np.ndarray)):
+            return (where, "is a numpy array of Python objects") if obj.dtype.hasobject else None
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        elif isinstance(obj, (set, frozenset)):
+            items = [(None, v) for v in obj]
+        else:
+            return where, f"is {_kind(obj)}, not plain data"
+        if depth >= MAX_DEPTH:
+            return where, f"is nested more than {MAX_DEPTH} levels deep"
+        if id(obj) in seen:  # a pickle may share one container many times
+            return None
+        seen.add(id(obj))
+        for key, value in items:
+            if depth == 0 and where == "" and isinstance(obj, dict) and key in ("args", "cfg"):
+                continue  # the config: checkpoint_config's check
+            if isinstance(obj, dict):
+                found = walk(key, f"{where or 'the top level'} (a key)", depth + 1)
+                if found:
+                    return found
+            found = walk(value, where if key is None else _child(where, key), depth + 1)
+            if found:
+                return found
+        return None
+
+    try:
+        found = walk(state, "", 0)
+    except RecursionError:
+        found = "", "is nested too deeply"
+    if found and not found[0]:
+        return "its top level", found[1]
+    return found
+
+
+# the dtypes of the tensors of this package's models (weights, and fairseq's version counters and masks)
+WEIGHT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                           torch.int16, torch.int32, torch.int64, torch.bool})
+
+
+def _weight_name(name):
+    return name if isinstance(name, str) and re.fullmatch(r"[\w.-]{1,200}", name) else repr(name)[:80]
+
+
+def odd_dtype_weight(state):
+    """``(name, dtype)`` of the first tensor of ``state["model"]`` whose dtype is not in :data:`WEIGHT_DTYPES`
+    (complex, quantized, float8, ...), or None."""
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        return None
+    for name, t in model.items():
+        if torch.is_tensor(t) and t.dtype not in WEIGHT_DTYPES:
+            return _weight_name(name), t.dtype
+    return None
+
+
+def train_iterator_problem(state):
+    """Why ``state["extra_state"]["train_iterator"]`` is not what fairseq writes (a dict whose epoch, position and
+    version are whole numbers), or None."""
+    extra = state.get("extra_state") if isinstance(state, dict) else None
+    itr = extra.get("train_iterator") if isinstance(extra, dict) else None
+    if itr is None:
+        return None
+    if not isinstance(itr, dict):
+        return f"extra_state.train_iterator is {_kind(itr)}, not a dict"
+    for key in ("epoch", "iterations_in_epoch", "version"):
+        value = itr.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            return f"extra_state.train_iterator.{key} is {_kind(value)}, not a whole number"
+    return None
 
 
 # the dtype in which a sum of finite values of a dtype cannot overflow (so the sum is finite iff every value is)
@@ -110,6 +228,8 @@ def metrics_problem(state):
     """Why ``state["extra_state"]["metrics"]`` is not what fairseq writes (``metrics.state_dict()``: per
     aggregator a list of (priority, name, meter class, meter state)), or None."""
     extra = state.get("extra_state") if isinstance(state, dict) else None
+    if isinstance(extra, Mapping) and not isinstance(extra, dict):  # an omegaconf DictConfig: not read here
+        return f" cannot be checked: extra_state is {_kind(extra)}, not a dict"
     metrics = extra.get("metrics") if isinstance(extra, dict) else None
     if metrics is None:
         return None

@@ -1,4 +1,4 @@
-"""The config strings of a checkpoint that fairseq would run as code or hand to Hydra: the check behind
+r"""The config strings of a checkpoint that fairseq would run as code or hand to Hydra: the check behind
 :func:`fairseq_ext.checkpoint_io.check_config` (the module docstring there says what it guarantees).
 
 * :data:`EVAL_FIELDS`: strings fairseq ``eval()``s when it builds a model, task or optimizer; each must be a
@@ -11,6 +11,7 @@
 
 import argparse
 import ast
+import os
 import re
 
 from fairseq_ext.checkpoint_checks import UnsafeCheckpointError
@@ -193,6 +194,30 @@ def config_problem(state):
         if found:
             return found
     return None
+
+
+def conversion_failure(exc):
+    """``(field, value shown)`` if ``exc`` was raised while fairseq turned legacy ``args`` into config values
+    (``fairseq.dataclass.utils._override_attr``: ``ast.literal_eval`` of the string of every field whose type is not
+    a string, then ``list(map(int or float, ...))`` for lists of numbers), read from the traceback; else None."""
+    try:
+        from fairseq.dataclass import utils as dc_utils
+    except ImportError:
+        return None
+    source = os.path.normcase(os.path.abspath(dc_utils.__file__))
+    frames, tb = [], exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_override_attr" and os.path.normcase(os.path.abspath(code.co_filename)) == source:
+            frames.append(tb.tb_frame.f_locals)
+        tb = tb.tb_next
+    if not frames or not isinstance(frames[-1].get("k"), str):
+        return None
+    # a nested Namespace is converted by a call on it (other args): its field name is part of the path
+    names = [str(f.get("k")) for f, inner in zip(frames, frames[1:] + [None])
+             if inner is None or inner.get("args") is not f.get("args")]
+    value = getattr(frames[-1].get("args"), frames[-1]["k"], None)
+    return "args." + ".".join(names), repr(value)[:80]
 
 
 def check_config(state, path):

@@ -1,4 +1,4 @@
-"""Safe loading and atomic writing of fairseq checkpoints under torch >= 2.6; installed by ``import fairseq_ext``.
+r"""Safe loading and atomic writing of fairseq checkpoints under torch >= 2.6; installed by ``import fairseq_ext``.
 
 torch >= 2.6 unpickles with ``torch.load(weights_only=True)``: only tensors, containers and allow-listed
 classes may be rebuilt. fairseq checkpoints also hold ``argparse.Namespace``, omegaconf containers and nodes
@@ -25,14 +25,19 @@ guarantees, and what it does not:
   other resolvers could read the environment or run a registered function), and registry names
   (:data:`REGISTRY_FIELDS`: task, arch, criterion, optimizer, bpe, tokenizer, scoring, ...) that are not
   ``^[\w.-]+$``: fairseq writes those of legacy ``args`` unquoted into Hydra overrides. A failure of Hydra while
-  fairseq converts legacy ``args`` is reported as such, without Hydra's message (it may hold resolved values).
-* **The contents.** Weights that are not finite are refused at load; ``extra_state["metrics"]`` must hold
-  fairseq's own meters with number states (fairseq builds them by class name on ``--restore-file``). A model
-  whose outputs are not finite at decoding time is named in one line by
-  :func:`fairseq_ext.fairseq_fixes.fix_non_finite_scores_crash`; weights that do not fit the model (missing or
-  unexpected names, other shapes) are one line naming the file.
-* **Archives.** The hub's ``.tar.gz`` model archives are unpacked by :mod:`fairseq_ext.archives` (tarfile's
-  ``data`` filter, absolute names refused, a private temporary directory, the archive left as it is).
+  fairseq converts legacy ``args`` is reported as such, without Hydra's message (it may hold resolved values); a
+  legacy value fairseq's ``ast.literal_eval`` cannot read is one line naming the field.
+* **The contents.** Everything but ``args`` and ``cfg`` must be plain data (no omegaconf node: one in
+  ``extra_state`` resolved ``${oc.env:...}`` when fairseq read it); weights of a dtype no model of the package has
+  (complex, quantized, float8) or that are not finite are refused at load; ``extra_state["train_iterator"]``
+  holds whole numbers; ``extra_state["metrics"]`` must hold fairseq's own meters with number states (fairseq
+  builds them by class name on ``--restore-file``). A model whose outputs are not finite at decoding time is
+  named in one line by :func:`fairseq_ext.fairseq_fixes.fix_non_finite_scores_crash`; weights that do not fit
+  the model (missing or unexpected names, other shapes) are one line naming the file.
+* **Archives.** The hub's ``.tar.gz`` model archives are unpacked by :mod:`fairseq_ext.archives`: every member
+  checked before anything is written (regular files and directories only: no links, devices or FIFOs, no absolute
+  or ``..`` names), size and member caps, written by the plugin into a private temporary directory, the archive
+  left as it is.
 * **Not covered.** The tensors of a checkpoint are still untrusted data (a model built from finite weights
   translates whatever they say); fields that other plugins ``eval()`` are not checked unless they are in
   :data:`EVAL_FIELDS`; paths named in a config (e.g. ``bert_model_name``) are opened as given (BERT directories
@@ -63,10 +68,11 @@ import zipfile
 import torch
 
 from fairseq_ext.checkpoint_checks import (CorruptCheckpointError, UnsafeCheckpointError, metrics_problem,
-                                           non_finite_weight, verify_zip)
+                                           non_finite_weight, odd_dtype_weight, plain_data_problem,
+                                           train_iterator_problem, verify_zip)
 from fairseq_ext.checkpoint_config import (  # noqa: F401  (the config check's names, as before)
-    EVAL_FIELDS, MAX_LITERAL_CHARS, MAX_LITERAL_ITEMS, REGISTRY_FIELDS, check_config, config_problem, is_eval_field,
-    literal_value)
+    EVAL_FIELDS, MAX_LITERAL_CHARS, MAX_LITERAL_ITEMS, REGISTRY_FIELDS, check_config, config_problem,
+    conversion_failure, is_eval_field, literal_value)
 from fairseq_ext.errors import FairseqExtError
 
 
@@ -178,8 +184,28 @@ class _allow_listed:
 # --------------------------------------------------------------------------------------------------------
 
 def check_contents(state, path):
-    """Raise one line naming ``path`` if the weights of ``state`` are not finite or its meters are not fairseq's
+    """Raise one line naming ``path`` if ``state`` outside its config is not plain data, its weights are of a dtype
+    no model has or not finite, its data iterator's position is not numbers or its meters are not fairseq's
     (:mod:`fairseq_ext.checkpoint_checks`)."""
+    found = plain_data_problem(state)
+    if found is not None:
+        where, what = found
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: {where} {what} (fairseq writes dicts, lists, numbers, strings and "
+            "tensors there; an omegaconf value could read the environment when fairseq reads it); only load "
+            "checkpoints from a source you trust")
+    found = odd_dtype_weight(state)
+    if found is not None:
+        name, dtype = found
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: weight {name} is of dtype {dtype}, which no model of fairseq_ext "
+            "has (they hold floating-point, integer and bool tensors); the file was changed or is not such a "
+            "model; use another checkpoint")
+    why = train_iterator_problem(state)
+    if why is not None:
+        raise UnsafeCheckpointError(
+            f"refusing to load checkpoint {path}: {why} (fairseq writes the epoch and position of its data "
+            "iterator there); use another checkpoint")
     name = non_finite_weight(state)
     if name is not None:
         raise CorruptCheckpointError(
@@ -241,10 +267,28 @@ def _hydra_failure(path, exc):
         "checkpoints from a source you trust)")
 
 
+def _legacy_args_failure(path, exc):
+    """fairseq reads the string of every non-string field of legacy ``args`` with ``ast.literal_eval`` before
+    Hydra: a value that is not such a literal (or not a list of numbers where one is needed) ended in a SyntaxError,
+    ValueError or TypeError traceback. One line naming the file and the field."""
+    found = conversion_failure(exc)
+    if found is None:
+        return None
+    field, shown = found
+    return ConfigConversionError(
+        f"checkpoint {path}: config field {field} = {shown} cannot be converted by fairseq ({type(exc).__name__} "
+        "while it turns legacy args into a config: it reads the field as a Python literal of the field's type), so "
+        "it is not loaded; a genuine fairseq checkpoint holds such a literal there (only load checkpoints from a "
+        "source you trust)")
+
+
 def _check_readable(path, exc):
     """Map errors of torch.load to FairseqExtError subclasses; None for anything else (re-raised as is)."""
     if isinstance(exc, FairseqExtError):
         return None
+    legacy = _legacy_args_failure(path, exc)
+    if legacy is not None:
+        return legacy
     hydra = _hydra_failure(path, exc)
     if hydra is not None:
         return hydra

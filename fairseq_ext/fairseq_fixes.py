@@ -6,8 +6,10 @@ Python 3.11 fixes); on another fairseq a warning names the fixes left out, and f
 """
 
 import functools
+import glob
 import logging
 import math
+import os
 import sys
 
 import numpy as np
@@ -96,6 +98,8 @@ def fix_resume_rebuilds_batches_with_epoch_seed():
         bound.apply_defaults()
         a = bound.arguments
         epoch, dataset = a["epoch"], a["dataset"]
+        if _checks["empty_split"]:
+            _refuse_empty_split(self, dataset)
         reused_in_epoch_1 = (not a["disable_iterator_cache"] and not a.get("update_epoch_batch_itr", False)
                              and not getattr(getattr(self, "cfg", None), "rebuild_batches", False)
                              and self.can_reuse_epoch_itr(dataset))
@@ -415,10 +419,137 @@ def fix_malformed_dictionary_traceback():
     Dictionary.add_from_file = add_from_file
 
 
+def _split_of(task, dataset):
+    """The name under which ``task`` loaded ``dataset`` (``test``, ``valid``), or None."""
+    return next((k for k, v in (getattr(task, "datasets", None) or {}).items() if v is dataset), None)
+
+
+def _data_dirs(task):
+    data = getattr(getattr(task, "cfg", None), "data", None) or getattr(getattr(task, "args", None), "data", None)
+    return [d for d in str(data).split(os.pathsep) if d] if data else []
+
+
+def _split_files(task, split):
+    """The files of ``split`` in the task's data directories (at most 4)."""
+    found = [f for d in _data_dirs(task)
+             for f in sorted(glob.glob(os.path.join(glob.escape(d), glob.escape(split) + ".*")))]
+    return found[:4]
+
+
+_checks = {"empty_split": False}  # checks of fix_resume_rebuilds_batches_with_epoch_seed's wrapper, when applied
+
+
+def _refuse_empty_split(task, dataset):
+    try:
+        empty = len(dataset) == 0
+    except TypeError:  # a dataset without a length: fairseq's business
+        return
+    split = _split_of(task, dataset) if empty else None
+    if split is not None:
+        files = _split_files(task, split)
+        where = f" ({', '.join(files)})" if files else f" (data {', '.join(_data_dirs(task)) or '?'})"
+        raise FairseqExtError(
+            f"split '{split}'{where} holds no sentences: fill its files (or re-run fairseq-preprocess on non-empty "
+            "text), or give another split (--gen-subset, --valid-subset, --train-subset)")
+
+
+def fix_empty_split_traceback():
+    """A split without a sentence (empty ``--dataset-impl raw`` files, an empty text given to fairseq-preprocess)
+    ends fairseq-generate (and validation, training) in ``IndexError`` inside ``data_utils.batch_by_size``; it
+    becomes one line naming the split and its files. Checked by the one wrapper of ``get_batch_iterator``."""
+    fix_resume_rebuilds_batches_with_epoch_seed()
+    _checks["empty_split"] = True
+
+
+def _too_long(size, max_positions):
+    """"source 41 > 30" for each side of ``size`` over ``max_positions``."""
+    sides = ("source", "target")
+    if isinstance(size, (tuple, list)) and isinstance(max_positions, (tuple, list)):
+        return ", ".join(f"{sides[i] if i < 2 else i} {int(a)} > {int(b)}" for i, (a, b) in
+                         enumerate(zip(size, max_positions)) if a is not None and b is not None and a > b)
+    return f"{size} > {max_positions}"
+
+
+def fix_invalid_size_traceback():
+    """A sentence longer than the model or the flags allow ends fairseq-generate (and validation) with a traceback
+    ending in "Size of sample #N is invalid ..." unless ``--skip-invalid-size-inputs-valid-test`` is given; it
+    becomes one line naming the split, the sentence id (and its line), the sizes and both ways out. The sentences are
+    not skipped silently: a test set scored without some of its sentences is another test set."""
+    from fairseq.tasks import FairseqTask
+
+    original = FairseqTask.filter_indices_by_size
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def filter_indices_by_size(self, indices, dataset, max_positions=None, ignore_invalid_inputs=False):
+        try:
+            return original(self, indices, dataset, max_positions, ignore_invalid_inputs)
+        except Exception as exc:  # noqa: BLE001 - fairseq raises a bare Exception
+            if ignore_invalid_inputs or type(exc) is not Exception or "Size of sample #" not in str(exc):
+                raise
+            try:
+                _, ignored = dataset.filter_indices_by_size(indices, max_positions)
+                first = int(ignored[0])
+                size = dataset.size(first)
+            except Exception:  # noqa: BLE001 - a dataset that cannot say more: fairseq's error as it was
+                raise exc from None
+            split = _split_of(self, dataset)
+            files = _split_files(self, split) if split else []
+            more = f" (and {len(ignored) - 1} more)" if len(ignored) > 1 else ""
+            raise FairseqExtError(
+                f"split '{split or '?'}'{' (' + files[0] + ', ...)' if files else ''}: sentence id {first} (line "
+                f"{first + 1}) is longer than allowed ({_too_long(size, max_positions)} tokens with EOS){more}: "
+                "shorten or remove it, raise --max-source-positions / "
+                "--max-target-positions (up to the model's own limit), or pass "
+                "--skip-invalid-size-inputs-valid-test to leave them out (they are then not translated or scored)"
+            ) from None
+
+    filter_indices_by_size._fairseq_ext_wrapped = True
+    FairseqTask.filter_indices_by_size = filter_indices_by_size
+
+
+class SentencepieceModelError(FairseqExtError, RuntimeError):
+    """A --sentencepiece-model that is missing or not a sentencepiece model (also the error fairseq raised)."""
+
+
+def fix_malformed_sentencepiece_model_traceback():
+    """``--bpe sentencepiece --sentencepiece-model FILE`` (fairseq-interactive, -generate, the hub) with a FILE that
+    does not exist or is not a sentencepiece model ends in an ``OSError`` / ``RuntimeError: INTERNAL: could not
+    parse ModelProto`` traceback; it becomes one line naming the file."""
+    from fairseq.data.encoders import sentencepiece_bpe
+
+    cls = sentencepiece_bpe.SentencepieceBPE
+    original = cls.__init__
+    if getattr(original, "_fairseq_ext_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, cfg):
+        try:
+            original(self, cfg)
+        except (OSError, RuntimeError) as exc:
+            model = getattr(cfg, "sentencepiece_model", "?")
+            if "://" not in str(model) and not os.path.exists(str(model)):
+                what = "does not exist"
+            else:
+                why = str(exc).splitlines()[0][:100] if str(exc) else type(exc).__name__
+                what = f"is not a sentencepiece model ({why})"
+            raise SentencepieceModelError(f"--sentencepiece-model {model} {what}; give the spm.model the model was "
+                                          "trained with") from None
+
+    __init__._fairseq_ext_wrapped = True
+    cls.__init__ = __init__
+
+
 def install():
     """Idempotent; called by ``import fairseq_ext``. Returns the names of the fixes applied."""
     import fairseq
     from fairseq.data import data_utils
+
+    from fairseq_ext import save_dir_lock
+
+    save_dir_lock.install()  # not a fix of fairseq's: on any fairseq version
 
     fixes = {
         "fix_dropped_last_batch": lambda: fix_dropped_last_batch(data_utils),
@@ -429,6 +560,9 @@ def install():
         "fix_interactive_input_lines": fix_interactive_input_lines,
         "fix_non_finite_scores_crash": fix_non_finite_scores_crash,
         "fix_malformed_dictionary_traceback": fix_malformed_dictionary_traceback,
+        "fix_empty_split_traceback": fix_empty_split_traceback,
+        "fix_invalid_size_traceback": fix_invalid_size_traceback,
+        "fix_malformed_sentencepiece_model_traceback": fix_malformed_sentencepiece_model_traceback,
     }
     version = getattr(fairseq, "__version__", "")
     if not any(version == v or version.startswith(v + ".") for v in CHECKED_VERSIONS):  # 0.12.3, 0.12.3.1; not 0.12.30

@@ -19,23 +19,26 @@ None, ...), and any other absolute path keeps only its file name (``sat_initiali
 the manifest's commands name directories outside the repository as ``DIR``. It writes through a temporary file and
 an atomic rename. ``verify`` checks the model, ``spm.model`` and ``dict.txt`` against the manifest, and that the
 model's config and its manifest entry carry no absolute path (fairseq's own defaults, such as ``/tmp/plasma``,
-excepted), and prints the model's path; a malformed manifest, a ``file`` entry that is not a plain file name of the
-release directory, a file that does not match or a path is refused with one line. ``scrub-paths`` applies pack's
-path rule to the models already in a release (deterministic: the same input gives the same bytes) and records
-their new sha256. Loading a release (``fairseq-generate --path``, ``fairseq-train --finetune-from-model``) goes
-through the safe loader like any checkpoint once ``fairseq_ext`` is imported (``--user-dir``); the weights are cast
-back to the model's dtype (fp32 on CPU) when loaded. BERT-JAM releases hold no BERT path: give
-``--bert-model-name``.
+excepted), and prints the model's path (each file is read once: the config checked is that of the bytes hashed;
+a program that then opens the printed path reads the file again); a malformed manifest, a ``file`` entry that is
+not a plain file name of the release directory, a file that does not match or a path is refused with one line.
+``scrub-paths`` applies pack's path rule to the models already in a release (deterministic: the same input gives
+the same bytes) and records their new sha256. Loading a release (``fairseq-generate --path``, ``fairseq-train
+--finetune-from-model``) goes through the safe loader like any checkpoint once ``fairseq_ext`` is imported
+(``--user-dir``); the weights are cast back to the model's dtype (fp32 on CPU) when loaded. BERT-JAM releases hold
+no BERT path: give ``--bert-model-name``.
 """
 
 import argparse
 import copy
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
+import stat
 import sys
 
 from fairseq_ext.errors import FairseqExtError, report
@@ -74,7 +77,7 @@ def read_manifest(release_dir, missing_ok=True):
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
         raise ReleaseError(f"{path} is not readable JSON ({type(exc).__name__}: {str(exc)[:80]}); restore it "
                            f"(git checkout -- {path}) or use --from-scratch") from None
     why = _manifest_problem(manifest)
@@ -89,9 +92,25 @@ def _plain_file_name(name):
         "/" not in name and "\\" not in name and "\0" not in name
 
 
+def _depth(obj, limit):
+    """How deep ``obj`` nests (lists and dicts), counted up to ``limit + 1`` without recursion."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack and deepest <= limit:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+MAX_DEPTH = 16  # pack writes 4 levels
+
+
 def _manifest_problem(manifest):
     if not isinstance(manifest, dict):
         return f"a JSON {type(manifest).__name__}, not an object"
+    if _depth(manifest, MAX_DEPTH) > MAX_DEPTH:
+        return f"it nests deeper than {MAX_DEPTH} levels"
     for key in ("files", "models"):
         if not isinstance(manifest.get(key), dict):
             return f"it has no '{key}' object"
@@ -289,8 +308,9 @@ def _pack_locked(checkpoint, name, release_dir, dict_path, spm_model, meta):
 def verify(release_dir, name, if_present=False):
     """The path of ``release_dir``/``name``.pt after checking it, ``spm.model`` and ``dict.txt`` against the
     manifest and the model's config and manifest entry for paths of the machine that built it; ReleaseError (one
-    line) when anything is missing, differs or carries such a path. ``if_present``: None instead of an error when
-    the manifest has no model ``name``."""
+    line) when anything is missing, differs or carries such a path. Each file is read once, through one descriptor;
+    the model's config is checked on the bytes that were hashed. What the caller then opens by the returned path
+    is read again. ``if_present``: None instead of an error when the manifest has no model ``name``."""
     manifest = read_manifest(release_dir, missing_ok=if_present)
     entry = manifest["models"].get(name)
     if entry is None and if_present:
@@ -304,25 +324,55 @@ def verify(release_dir, name, if_present=False):
         raise ReleaseError(f"{os.path.join(release_dir, MANIFEST)} records no {missing[0]}; restore the manifest "
                            f"(git checkout -- {release_dir}) or use --from-scratch")
     checks = [(entry["file"], entry["sha256"])] + [(f, manifest["files"][f]["sha256"]) for f in SHARED_FILES]
+    verified = {}
     for file_name, want in checks:
         path = os.path.join(release_dir, file_name)
-        if not os.path.isfile(path) or os.path.islink(path):
+        data = _read_regular_file(path)
+        if data is None:
             raise ReleaseError(f"release file {path} is missing (or a link); restore it (git checkout -- {path}) or "
                                "use --from-scratch")
-        if sha256(path) != want:
+        if hashlib.sha256(data).hexdigest() != want:
             raise ReleaseError(f"release file {path} does not match its sha256 in {os.path.join(release_dir, MANIFEST)}"
                                f" (changed or damaged); restore it (git checkout -- {path}) or use --from-scratch")
+        verified[file_name] = data
     path = os.path.join(release_dir, entry["file"])
     found = next(iter(_meta_paths(entry, f"models.{name}")), None)
     if found is None:
-        from fairseq_ext.checkpoint_io import load_checkpoint_file
-
-        found = next(iter(machine_paths(load_checkpoint_file(path))), None)
+        found = next(iter(machine_paths(_load_bytes(verified[entry["file"]], path))), None)
     if found is not None:
         raise ReleaseError(f"release {path} carries a path of the machine that built it ({found[0]} = "
                            f"{str(found[1])[:80]!r}); a release must not: rewrite it with python -m "
                            f"fairseq_ext.release scrub-paths --release-dir {release_dir}")
     return path
+
+
+def _read_regular_file(path):
+    """The bytes of ``path`` read through one descriptor, or None if it is missing, a link or not a regular file:
+    what is hashed is what is loaded, whatever happens to the path meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO does not block
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read()
+
+
+def _load_bytes(data, path):
+    """The checkpoint held in ``data`` (read from ``path``), through the safe loader, with its one-line errors."""
+    import torch
+
+    from fairseq_ext import checkpoint_io
+
+    checkpoint_io.install()
+    try:
+        return checkpoint_io._safe_load(io.BytesIO(data), path, torch.device("cpu"))
+    except Exception as exc:  # noqa: BLE001 - classified as load_checkpoint_file does, re-raised when unknown
+        mapped = checkpoint_io._check_readable(path, exc)
+        if mapped is None:
+            raise
+        raise mapped from None
 
 
 def scrub_paths(release_dir, names=None):

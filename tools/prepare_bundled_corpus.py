@@ -252,6 +252,15 @@ def main(argv=None):
                              "nor a directory")
     if args.spm_model is not None and not os.path.isfile(args.spm_model):
         raise SystemExit(f"prepare_bundled_corpus: --spm-model {args.spm_model} does not exist")
+    if args.spm_model is not None:
+        import sentencepiece
+
+        try:
+            sentencepiece.SentencePieceProcessor(model_file=args.spm_model)
+        except (RuntimeError, OSError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            raise SystemExit(f"prepare_bundled_corpus: --spm-model {args.spm_model} is not a sentencepiece model "
+                             f"({first}); give the spm.model the data was encoded with") from None
     extra_record = extra_train_record(extra_train)
     os.makedirs(args.out, exist_ok=True)
     check_existing(corpus, args.out, args.vocab_size, args.max_test_lines, extra_record, args.spm_model)

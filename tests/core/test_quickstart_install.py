@@ -175,6 +175,18 @@ def test_quickstart_help_is_the_whole_comment_block():
     assert "--from-scratch" in proc.stdout and lines[-1].startswith("# logs of every tool")
 
 
+def test_quickstart_with_a_malformed_spm_model_is_one_line(tmp_path):
+    """--spm-model naming a file that is not a sentencepiece model stops the quickstart at its first step with one
+    line naming the file, not sentencepiece's traceback."""
+    bad = tmp_path / "spm.model"
+    bad.write_bytes(b"\x00not a sentencepiece model")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--from-scratch", "--smoke",
+                           "--spm-model", str(bad), "--workdir", str(tmp_path / "w")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"prepare_bundled_corpus: --spm-model {bad} is not a sentencepiece model" in proc.stderr
+
+
 def test_quickstart_rejects_an_unknown_arch():
     proc = subprocess.run(["bash", os.path.join(ROOT, "examples", "quickstart.sh"), "--arch", "nope"],
                           capture_output=True, text=True)
