@@ -1,7 +1,7 @@
 # ConvS2S (fconv_glu, Gehring et al. 2017): GLU convolutions with kernel 3 and multi-step attention in every
 # decoder layer, 4 encoder + 3 decoder layers, the decoder input/output embeddings tied. The paper's IWSLT'14
 # De-En sizes (= --arch fconv_glu_iwslt_de_en) are width 256; the Bible corpus uses width 128 (as
-# benchmarks/compare.py) so that a few CPU minutes are enough updates, Ding keeps 256 (7.9M parameters).
+# benchmarks/compare/specs.py) so that a few CPU minutes are enough updates, Ding keeps 256 (7.9M parameters).
 # Training follows the paper's IWSLT recipe: NAG, lr 0.25, gradient norm clipped at 0.1, dropout 0.2 (0 on the
 # Bible corpus, whose run sees about one epoch, as for the transformer); label smoothing 0.1.
 if [ "$CORPUS" = bible ]; then W=128 BATCH=2048 MAX_UPDATE=1000 SAVE_EVERY=100 AVERAGE_LAST=3 DROPOUT=0.0

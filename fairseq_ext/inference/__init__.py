@@ -7,5 +7,5 @@
 
 Everything runs on PyTorch's own kernels (MKL, oneDNN, fbgemm): the package builds no native code.
 
-``python benchmarks/bench_kernels.py`` and ``benchmarks/bench_sat.py`` measure them (benchmarks/README.md).
+``python -m benchmarks.speed.kernels`` and ``benchmarks/speed/sat.py`` measure them (benchmarks/README.md).
 """

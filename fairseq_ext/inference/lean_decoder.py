@@ -8,7 +8,7 @@ mixes it into the decoder's class, so that any generator (fairseq's too) takes i
 At batch 1 a decoder call of a small model (d 128-256, 3 layers) multiplies a handful of rows by each weight; most
 of its time is not in those products but in the hundreds of PyTorch operations and Python calls around them
 (fairseq's incremental-state dictionaries with their string keys, module calls, dropout and residual helpers,
-shape checks; ``python benchmarks/bench_beam_parts.py`` shows where a call's time goes). This step does per layer
+shape checks; ``python -m benchmarks.speed.beam_parts`` shows where a call's time goes). This step does per layer
 what the layer computes and nothing else:
 
 * self-attention: one fused Q/K/V projection, the new keys and values written into a key/value cache
@@ -191,7 +191,7 @@ def fused_qkv(att) -> Optional[Callable[[Tensor], Tensor]]:
     they are: float ``nn.Linear`` (one [3C, C] product), PyTorch's int8 ``Linear`` (one int8 call, bit for bit the
     three calls); made once and again when a weight changes;
     None for any other mix (then they are called one by one). One int8 call instead of three costs well under half
-    (``python benchmarks/bench_kernels.py``)."""
+    (``python -m benchmarks.speed.kernels``)."""
     ws = (att.q_proj, att.k_proj, att.v_proj)
     kind, key = _projection_key(ws)
     if kind is None:
@@ -292,8 +292,8 @@ def reorder_cache(buf: Tensor, spare: Optional[Tensor], order: Tensor, n: int) -
     """A key/value buffer [B, H, capacity, d] reordered along B; returns (the reordered buffer, the next spare).
     A large buffer (a batch's beams, ``REORDER_USED_ONLY`` elements or more) is reordered into ``spare`` (the
     buffer of the previous reorder, when its shape fits), and only its n cached positions are copied: no
-    allocation and less time than a fresh ``index_select`` of the whole capacity (``python
-    benchmarks/bench_kernels.py --parts 2`` times both); the old buffer is the next spare. A small one (a single
+    allocation and less time than a fresh ``index_select`` of the whole capacity (``python -m
+    benchmarks.speed.kernels --parts 2`` times both); the old buffer is the next spare. A small one (a single
     sentence's beam) takes the fresh ``index_select``, which is faster there, and keeps no spare."""
     if buf.numel() < REORDER_USED_ONLY:
         return buf.index_select(0, order), spare
@@ -628,7 +628,7 @@ class LeanIncrementalDecoding:
     def reorder_incremental_state_scripting(self, incremental_state, new_order):
         """The entry point of fairseq's generators (and of the SAT generator): fairseq's walks every submodule and
         reorders each one's state, 97 modules of a 3-layer decoder (one ``hasattr`` each per call, once per word of
-        a beam search; ``python benchmarks/bench_beam_parts.py`` times the walk). When the lean step's state is the
+        a beam search; ``python -m benchmarks.speed.beam_parts`` times the walk). When the lean step's state is the
         only one (:func:`only_lean_state`), reordering it is the whole job; any other state (a step that fell back
         to fairseq's path) takes fairseq's walk."""
         if only_lean_state(incremental_state):

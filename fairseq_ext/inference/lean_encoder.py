@@ -2,8 +2,8 @@
 what fairseq's ``TransformerEncoderLayerBase`` computes outside training, without its per-call bookkeeping.
 
 A generator runs the encoder once per batch, and at batch 1 it is a fixed cost per sentence that no K of the
-semi-autoregressive decoder shrinks (``python benchmarks/bench_beam_parts.py`` prints its share of a sentence;
-``python benchmarks/bench_kernels.py --parts 4`` times these layers against fairseq's). With int8 projections
+semi-autoregressive decoder shrinks (``python -m benchmarks.speed.beam_parts`` prints its share of a sentence;
+``python -m benchmarks.speed.kernels --parts 4`` times these layers against fairseq's). With int8 projections
 fairseq's ``MultiheadAttention`` cannot take PyTorch's fused path (it needs the float weights) and runs its own:
 three projections, two ``bmm`` and a softmax, and the padding mask filled in. Per layer this runs instead:
 

@@ -12,7 +12,7 @@ lean step, :mod:`fairseq_ext.inference.lean_decoder`):
 
 The float32 ones keep the model's numbers up to the order of the sums (~1e-6; the same hypotheses except at
 near-ties); the int8 ones change the outputs a little (int8 rounding), so hypotheses can differ from the float
-model's: ``benchmarks/bench_sat.py`` reports BLEU or the agreement with the float hypotheses beside the speed.
+model's: ``benchmarks/speed/sat.py`` reports BLEU or the agreement with the float hypotheses beside the speed.
 At batch 1 on a CPU a decoder call is bound by reading the weights, and the largest is the V x d softmax
 projection: int8 reads 4x fewer bytes, and a call with a few rows (a SAT group, a beam) costs little more than one
 row. Inference only: the model changes in place; training and saving need the float model (quantised modules hold
@@ -35,7 +35,7 @@ class PackedLinear(torch.nn.Linear):
     """``nn.Linear`` in float32 on a CPU through MKL's packed GEMM (``torch.ops.mkl._mkl_linear``, the kernel of
     torch's ``optimize_for_inference``): the weight is reordered once into MKL's panel layout, so a call with a
     few rows no longer repacks the whole weight as the plain ``sgemm`` does: a call with a few rows costs about
-    what one row costs (``python benchmarks/bench_sat.py --random-init --fixed-length 27 --no-throughput --float-opt
+    what one row costs (``python -m benchmarks.speed.sat --random-init --fixed-length 27 --no-throughput --float-opt
     prepack`` measures what it buys per sentence). Same float32 products; the sums may be ordered differently
     (differences ~1e-6 relative).
 
@@ -109,7 +109,7 @@ class Int8RowsLinear(_DynamicQuantizedLinear):
     """PyTorch's dynamically quantised ``Linear`` (fbgemm) for the softmax projection, with oneDNN's int8 kernel
     for calls of :attr:`MIN_ROWS` rows or more where the CPU has AMX tiles. On the 8,000 x 256 projection
     fbgemm's cost grows faster with the row count than oneDNN's, but oneDNN starts higher; they cross near
-    :attr:`MIN_ROWS` (``python benchmarks/bench_kernels.py --parts 1`` times both by row count). So one-row and
+    :attr:`MIN_ROWS` (``python -m benchmarks.speed.kernels --parts 1`` times both by row count). So one-row and
     beam-4 calls keep fbgemm, and the K x B rows of a SAT group and batched decoding take oneDNN.
 
     Both kernels get the same int8 weights and the same 7-bit activation quantisation (``reduce_range``, as

@@ -170,7 +170,7 @@ def main(argv=None):
     p.add_argument("--plot", help="write Figure 2 (training BLEU against depth) to this image")
     p.add_argument("--dry-run", action="store_true", help="print the training commands only")
     p.add_argument("--checkpoints", help="score these trained models instead of training: a comma list of "
-                   "VARIANTDEPTH=PATH (e.g. pre24=ckpt.pt,msc24=ckpt2.pt; benchmarks/claims.py --paper msc)")
+                   "VARIANTDEPTH=PATH (e.g. pre24=ckpt.pt,msc24=ckpt2.pt; python -m benchmarks.claims --paper msc)")
     args = p.parse_args(argv)
     if args.checkpoints:
         return score_checkpoints(args)

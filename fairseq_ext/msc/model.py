@@ -351,7 +351,7 @@ def msc_encoder_states(encoder_out: Dict[str, List[Tensor]]):
 
 # fairseq's beamable cross attention (keys/values once per sentence) runs its scores through an einsum that costs
 # more than the per-hypothesis bmm on small batches: on CPU with beam 4 it is slower with 1 sentence, about even
-# with 2-4, and faster from 8 sentences on (``python benchmarks/bench_msc_decode.py --batch N`` times its
+# with 2-4, and faster from 8 sentences on (``python -m benchmarks.speed.msc_decode --batch N`` times its
 # ``beamable always`` and ``beamable never`` contenders).
 BEAMABLE_MIN_SENTENCES = 8
 

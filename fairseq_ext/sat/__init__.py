@@ -17,7 +17,8 @@ relaxed causal mask (Sec. 3), initialisation from a trained Transformer and sequ
     position_ce.py  ``python -m fairseq_ext.sat.position_ce``: cross-entropy by target position (Figure 6)
 
 The decoder step and the opt-in speed-ups are shared with fairseq's transformer: :mod:`fairseq_ext.inference`.
-Guides: docs/sat_transformer.md, docs/sat_speculative.md (``--sat-draft-path``); benchmarks: benchmarks/bench_sat.py and benchmarks/README.md.
+Guides: docs/sat_transformer.md, docs/sat_speculative.md (``--sat-draft-path``); benchmarks: python -m
+benchmarks.speed.sat and benchmarks/README.md.
 """
 
 from fairseq_ext.sat import model, task  # noqa: F401  (registers sat_transformer and translation_sat)

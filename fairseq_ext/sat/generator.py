@@ -51,7 +51,7 @@ TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an
 
 def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
     """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through chunk maxima,
-    faster than ``topk`` for 16-24 rows of 8,000 words (``python benchmarks/bench_beam_rows.py`` times both). The row
+    faster than ``topk`` for 16-24 rows of 8,000 words (``python -m benchmarks.speed.beam_rows`` times both). The row
     is cut into chunks of ``chunk`` words; the B best words lie in the B chunks with the largest maxima (a word in
     another chunk has B chunk maxima, B distinct words, at least as large), so one top-B over the chunk maxima and
     one over the B chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-B over the row;
@@ -177,7 +177,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
         (the lean step keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
         ``reorder_incremental_state_scripting`` asks every submodule for ``reorder_incremental_state`` on every
-        call (97 ``hasattr`` for the quickstart decoder; ``python benchmarks/bench_beam_parts.py`` times both
+        call (97 ``hasattr`` for the quickstart decoder; ``python -m benchmarks.speed.beam_parts`` times both
         walks); the same calls in the same order here, with the modules that have it found once per search."""
         decoder = self.model.single_model.decoder
         if only_lean_state(state):  # the lean step's state is all there is
@@ -199,7 +199,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
     @staticmethod
     def _nan_to_neg_inf(lprobs: Tensor) -> Tensor:
         """fairseq's rule that a NaN log-probability is -inf, in place. Looking for NaN over [N, K, V] every step
-        costs more than the log-softmax (``python benchmarks/bench_beam_rows.py`` times the full pass against the
+        costs more than the log-softmax (``python -m benchmarks.speed.beam_rows`` times the full pass against the
         check on the selected values), so the searches apply it only when a value they selected is NaN: ``max``,
         ``topk`` and :func:`top_b` rank NaN above every number, so a row with a NaN anywhere selects one, and the
         rest of the step is then redone on the corrected distributions: the same result as filling first."""

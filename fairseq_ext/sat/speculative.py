@@ -26,7 +26,7 @@ attention are not batch-invariant: sums are ordered by shape), so every decision
 between the best and the second-best (constrained) log-probability at a decided position is below ``eps``, the
 sentence is decoded again by the verifier alone (our K = 1 greedy path, the sentence alone), and counted in
 ``stats["fallbacks"]``. A word whose gap is at least eps is the verifier's argmax in any evaluation that differs
-from this one by less than eps / 2 per log-probability. ``python benchmarks/bench_speculative.py`` measures that
+from this one by less than eps / 2 per log-probability. ``python -m benchmarks.speed.speculative`` measures that
 difference on the trained models (module :data:`EPS` gives the figures); tests/sat/test_speculative.py on random
 ones. Scores are the verifier's log-probabilities of the accepted words (float noise from its own run).
 
@@ -55,13 +55,13 @@ logger = logging.getLogger(__name__)
 
 # The guard of every decision (natural-log probability). The largest difference between a log-probability computed
 # here and by the verifier's one-position step along the same prefix, over the 32,940 decided positions of the 1,003
-# Acts verses with the release models, is 1.3e-5 (python benchmarks/bench_speculative.py, "noise" lines; the tests
+# Acts verses with the release models, is 1.3e-5 (python -m benchmarks.speed.speculative, "noise" lines; the tests
 # check the random models): a decision is trusted when its gap is 1e-3, so that a difference up to eps / 2 = 5e-4,
 # 37 times the largest measured, cannot turn it.
 EPS = 1e-3
 # Batches of more sentences are decoded by the verifier alone: checking K + 1 positions per row and drafting them
 # costs more arithmetic than it saves once a call is bound by its arithmetic rather than its fixed cost; on the
-# release models every batch of 2 or more decoded slower (python benchmarks/bench_speculative.py --sweep 1 2 4 8;
+# release models every batch of 2 or more decoded slower (python -m benchmarks.speed.speculative --sweep 1 2 4 8;
 # --sat-draft-max-batch).
 MAX_BATCH = 1
 
@@ -268,7 +268,7 @@ class SpeculativeSATGenerator(SATSequenceGenerator):
     def _output(self, decoder, x: Tensor) -> Tensor:
         """``decoder.output_layer(x)``: a float32 projection without bias as one product with the weight transposed
         (kept, one copy per weight: the same products, and faster for a few rows when the weight is not in the
-        cache, as here where two models take turns: python benchmarks/bench_speculative.py)."""
+        cache, as here where two models take turns: python -m benchmarks.speed.speculative)."""
         proj = getattr(decoder, "output_projection", None)
         if (type(proj) is not torch.nn.Linear or proj.bias is not None or decoder.adaptive_softmax is not None
                 or type(decoder).output_layer is not TransformerDecoderBase.output_layer

@@ -142,7 +142,7 @@ class TranslationSATConfig(TranslationConfig):
         default=MAX_BATCH,
         metadata={"help": "with --sat-draft-path: batches of more sentences are decoded by the verifier alone "
                           "(the same output; speculation pays while a call costs its fixed overhead rather than its "
-                          "arithmetic: python benchmarks/bench_speculative.py --sweep)"})
+                          "arithmetic: python -m benchmarks.speed.speculative --sweep)"})
     sat_draft_speedups: str = field(
         default="",
         metadata={"help": "with --sat-draft-path: speed-ups of --inference-speedups for the drafter alone (int8 ones "

@@ -52,5 +52,5 @@ d = sum(x != y for x, y in zip(sorted(a), sorted(b))); print(f'{len(a)} lines, {
   "$WORKDIR/greedy.hyp" "$WORKDIR/speculative.hyp"
 
 echo "== 4/4 the benchmark (batch 1 and 64, one thread) =="
-run python "$ROOT/benchmarks/bench_speculative.py" --workdir "$WORKDIR/bench" --drafter "drafter=$DRAFTER" \
-  --json "$WORKDIR/bench.json"
+run env PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" python -m benchmarks.speed.speculative --workdir "$WORKDIR/bench" \
+  --drafter "drafter=$DRAFTER" --json "$WORKDIR/bench.json"

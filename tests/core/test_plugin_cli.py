@@ -212,12 +212,3 @@ def test_every_source_file_is_at_most_700_lines():
                     if n > MAX_LINES:
                         long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
     assert not long, long
-
-
-def test_benchmarks_readme_lists_every_benchmark():
-    """benchmarks/README.md is the index of the benchmarks: a script missing from it is one nobody finds."""
-    with open(os.path.join(ROOT, "benchmarks", "README.md"), encoding="utf-8") as f:
-        index = f.read()
-    scripts = sorted(n for n in os.listdir(os.path.join(ROOT, "benchmarks")) if n.endswith(".py"))
-    missing = [n for n in scripts if f"`{n}`" not in index]
-    assert not missing, f"not in benchmarks/README.md: {missing}"

@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 
 import pytest
 import torch
@@ -41,8 +40,7 @@ from tests.helpers import (
     train_translation_model,
 )
 
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import bench_msc_decode  # noqa: E402  (the pre-17.3 decoding path the benchmark times)
+from benchmarks.speed import msc_decode as bench_msc_decode  # the pre-17.3 decoding path the benchmark times
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -284,7 +282,7 @@ def test_checkpoint_activations_same_outputs_and_gradients():
 
 def test_small_depth_smoke_trains_without_nan():
     """An 18-layer encoder (6 blocks x 3) at width 16 takes 20 Adam steps on a fixed batch: finite, loss falls.
-    (The 72-layer check on the real corpus is benchmarks/bench_msc_depth.py.)"""
+    (The 72-layer check on the real corpus is python -m benchmarks.speed.msc_depth.)"""
     model, d = build(extra=["--encoder-layers-per-block", "3", "--encoder-blocks", "6"])
     assert len(model.encoder.layers) == 18
     src, lengths, tgt = _batch(d, bsz=4)
@@ -600,7 +598,7 @@ def test_beam_search_gives_the_hypotheses_and_scores_of_the_legacy_path(name, be
             model.decoder.output_projection.weight[d.eos()] *= 1.3  # sentences end at different steps
         model.eval()
         src, lengths, _ = _batch(d, bsz=6, src_len=9)
-        # the per-hypothesis path with eager reordering (the legacy path), as benchmarks/bench_msc_decode.py
+        # the per-hypothesis path with eager reordering (the legacy path), as benchmarks/speed/msc_decode.py
         # times it
         with bench_msc_decode.legacy(model) if legacy else contextlib.nullcontext():
             results.append((_search(model, d, src, lengths, 4), _search(model, d, src, lengths, 1)))
@@ -853,8 +851,9 @@ def test_degradation_training_set_bleu(trained):
 
 
 def test_degradation_scores_given_checkpoints(trained, tmp_path, capsys):
-    """--checkpoints scores models trained elsewhere (benchmarks/claims.py --paper msc): one row per VARIANTDEPTH,
-    the same BLEU as sample_bleu, the table and figure written; a malformed item or a missing file is one line."""
+    """--checkpoints scores models trained elsewhere (python -m benchmarks.claims --paper msc): one row per
+    VARIANTDEPTH, the same BLEU as sample_bleu, the table and figure written; a malformed item or a missing file is
+    one line."""
     from fairseq_ext.msc import degradation as msc_degradation
 
     data, _ = trained

@@ -1,0 +1,1 @@
+"""The papers' claims with their controls: python -m benchmarks.claims --paper PAPER (one module per paper)."""

@@ -1,0 +1,222 @@
+"""What the papers of python -m benchmarks.claims share: the Bible corpus prepared with the release's BPE and
+dictionary, fairseq-train arguments of the quickstart-sized models, training to a valid plateau, evaluation jobs."""
+
+import os
+import re
+import shutil
+import sys
+
+from .jobs import ROOT, ClaimsError, Job, read_json
+
+RELEASE_DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
+USER_DIR = os.path.join(ROOT, "fairseq_ext")
+CORPUS_DIR = os.path.join(ROOT, "data", "bible-de-en")
+
+# the quickstart's Bible transformer (examples/quickstart/transformer.sh): d 128, FFN 512, 4 heads, pre-norm, shared
+# embeddings, no dropout, adam (0.9, 0.98), inverse_sqrt, label smoothing 0.1, 1,024 tokens a batch
+def size_args(dim=128, ffn=None, heads=4, enc_layers=3, dec_layers=3):
+    ffn = ffn or 4 * dim
+    layers = [] if enc_layers is None else ["--encoder-layers", str(enc_layers)]
+    return [*layers, "--decoder-layers", str(dec_layers), "--encoder-embed-dim", str(dim),
+            "--decoder-embed-dim", str(dim), "--encoder-ffn-embed-dim", str(ffn), "--decoder-ffn-embed-dim", str(ffn),
+            "--encoder-attention-heads", str(heads), "--decoder-attention-heads", str(heads)]
+
+
+PRE_NORM = ["--encoder-normalize-before", "--decoder-normalize-before"]
+
+
+def adam_args(lr, warmup=200, max_tokens=1024, dropout=0.0, clip=0.0, attention_dropout=True):
+    att = ["--attention-dropout", str(dropout)] if attention_dropout else []
+    return ["--share-all-embeddings", "--dropout", str(dropout), *att,
+            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--lr", str(lr), "--lr-scheduler", "inverse_sqrt",
+            "--warmup-updates", str(warmup), "--clip-norm", str(clip), "--criterion", "label_smoothed_cross_entropy",
+            "--label-smoothing", "0.1", "--max-tokens", str(max_tokens)]
+
+
+def plateau_args(max_update, interval=500, patience=3, keep=3):
+    """Validation (valid loss) every ``interval`` updates; training stops after ``patience`` validations without a
+    new best, or at ``max_update``; the last ``keep`` interval checkpoints are kept (averaged for evaluation)."""
+    return ["--max-update", str(max_update), "--validate-interval-updates", str(interval),
+            "--save-interval-updates", str(interval), "--keep-interval-updates", str(keep),
+            "--validate-interval", "100000", "--save-interval", "100000", "--no-epoch-checkpoints",
+            "--patience", str(patience), "--best-checkpoint-metric", "loss", "--log-format", "json",
+            "--log-interval", "50", "--num-workers", "0", "--seed", "1"]
+
+
+def json_records(log, kind):
+    import json
+
+    out = []
+    if not os.path.exists(log):
+        return out
+    pat = re.compile(r"\| INFO \| (\S+) \| (\{.*\})\s*$")
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = pat.search(line)
+            if m and m.group(1) == kind:
+                try:
+                    out.append(json.loads(m.group(2)))
+                except ValueError:
+                    pass
+    return out
+
+
+_LINE = re.compile(r"^(?:(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) )?\| INFO \| (\S+) \| (.*?)\s*$")
+
+
+def update_walls(log):
+    """[(updates, wall seconds of training so far)] from a training log: fairseq's ``wall`` of each record, added up
+    over the processes of a training that was cut and resumed. A resumed process logs ``wall`` 0 throughout
+    (fairseq restores the wall stopwatch from the checkpoint without starting it), so its records take the time
+    since that process logged its configuration instead."""
+    import json
+    from datetime import datetime
+
+    if not os.path.exists(log):
+        return []
+    kind, key = ("train_inner", "") if json_records(log, "train_inner") else ("train", "train_")
+    recs, start, proc = [], None, 0  # (updates, wall, process)
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            m = _LINE.match(line)
+            if not m:
+                continue
+            when = datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S").timestamp() if m.group(1) else None
+            if m.group(2) == "fairseq_cli.train" and m.group(3).startswith("{'_name'"):
+                start, proc = when, proc + 1  # a process begins: it logs its configuration
+            elif m.group(2) == kind and m.group(3).startswith("{"):
+                try:
+                    r = json.loads(m.group(3))
+                    updates, wall = int(float(r[f"{key}num_updates"])), float(r[f"{key}wall"])
+                except (ValueError, KeyError):
+                    continue
+                if wall == 0 and start is not None and when is not None and updates > 0:
+                    wall = when - start
+                recs.append((updates, wall, proc))
+    out, offset, last, last_proc = [], 0.0, 0.0, None
+    for updates, wall, p in recs:
+        if last_proc is not None and (p != last_proc or wall < last):  # a new process
+            offset += last
+        last, last_proc = wall, p
+        out.append((updates, offset + wall))
+    return out
+
+
+def train_summary(log):
+    """Updates, tokens/s (median), the valid-loss curve [(updates, loss)] and the best valid loss of a training log
+    (``--log-format json``)."""
+    inner = json_records(log, "train_inner")
+    if not inner:  # fewer updates than --log-interval: the epoch records
+        inner = [{k[6:]: v for k, v in r.items() if k.startswith("train_")} for r in json_records(log, "train")]
+    valid = json_records(log, "valid")
+    if not inner:
+        raise ClaimsError(f"{log}: no training records")
+    wps = sorted(float(r["wps"]) for r in inner[1:] or inner)
+    curve = [(int(float(r["valid_num_updates"])), float(r["valid_loss"])) for r in valid if "valid_num_updates" in r]
+    walls = update_walls(log)
+    return {"updates": int(float(inner[-1]["num_updates"])), "train_tokens_per_s": wps[len(wps) // 2],
+            "train_minutes": round(walls[-1][1] / 60, 1) if walls else None,
+            "train_loss_last": float(inner[-1]["loss"]), "valid_curve": curve,
+            "valid_loss_best": min((loss for _, loss in curve), default=None),
+            "train_curve": [(int(float(r["num_updates"])), float(r["loss"])) for r in inner]}
+
+
+class Corpus:
+    """The bundled Bible corpus encoded with the release's sentencepiece model and binarised with its joined
+    dictionary (so that the release transformer reads it), in WORKDIR/data and WORKDIR/bin-de-en."""
+
+    def __init__(self, sched, smoke=False):
+        self.S = sched
+        self.data = os.path.join(sched.W, "data")
+        self.bin = os.path.join(sched.W, "bin-de-en")
+        self.smoke = smoke
+
+    def refs(self, tgt="en"):
+        return {s: [os.path.join(self.data, f"{s}.{tgt}")] for s in ("valid", "test")}
+
+    def job(self, name="data"):
+        def run(job, S):
+            src_corpus = "bible"
+            if self.smoke:
+                src_corpus = self.smoke_corpus()
+            S.sh([sys.executable, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"),
+                  "--corpus", src_corpus, "--out", self.data, "--spm-model",
+                  os.path.join(RELEASE_DE_EN, "spm.model")], S.log(name), what="corpus preparation")
+            done = os.path.join(self.bin, ".done")
+            if not os.path.exists(done):
+                shutil.rmtree(self.bin, ignore_errors=True)
+                S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref",
+                                         f"{self.data}/train.spm", "--validpref", f"{self.data}/valid.spm",
+                                         "--testpref", f"{self.data}/test.spm", "--destdir", self.bin,
+                                         "--joined-dictionary", "--srcdict", os.path.join(RELEASE_DE_EN, "dict.txt"),
+                                         "--workers", "1"], S.log(name), threads=1)
+                open(done, "w").close()
+            with open(os.path.join(self.data, "train.de"), encoding="utf-8") as f:
+                n = sum(1 for _ in f)
+            return {"train_lines": n, "summary": f"{n} training verses"}
+
+        return Job(name, run, {"corpus": "bible", "spm": "release", "smoke": self.smoke}, what="the Bible corpus "
+                   "with the release's BPE and dictionary")
+
+    def smoke_corpus(self):
+        """A slice of the corpus (short verses) for --smoke."""
+        import gzip
+
+        out = os.path.join(self.S.W, "smoke-corpus")
+        os.makedirs(out, exist_ok=True)
+        for split, n in (("train", 400), ("valid", 20), ("test", 20)):
+            text = {}
+            for lang in ("de", "en"):
+                with gzip.open(os.path.join(CORPUS_DIR, f"{split}.{lang}.gz"), "rt", encoding="utf-8") as f:
+                    text[lang] = f.readlines()
+            keep = [i for i in range(len(text["de"])) if max(len(text["de"][i].split()),
+                                                            len(text["en"][i].split())) <= 12][:n]
+            for lang in ("de", "en"):
+                with gzip.open(os.path.join(out, f"{split}.{lang}.gz"), "wt", encoding="utf-8") as g:
+                    g.writelines(text[lang][i] for i in keep)
+        return out
+
+
+def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
+    """fairseq-train into WORKDIR/checkpoints/NAME (resumed from its checkpoint_last.pt when a run was cut), then
+    the average of its last interval checkpoints (checkpoint_avg.pt). Result: the training summary."""
+
+    def run(job, S):
+        ck = S.dir("checkpoints", name)
+        log = S.log(name, "train.log")
+        cpu = S.fairseq("train", [bin_dir, "--user-dir", USER_DIR, "--save-dir", ck, *argv], log, threads)
+        avg = S.worker("average", {"ckpt_dir": ck, "output": os.path.join(ck, "checkpoint_avg.pt")},
+                       S.log(name, "average.log"))
+        summ = train_summary(log)
+        return {**summ, "cpu_minutes": round(cpu / 60, 1), "checkpoint": os.path.join(ck, "checkpoint_avg.pt"),
+                "averaged": avg["averaged"], "summary": f"{summ['updates']} updates, best valid loss "
+                f"{summ['valid_loss_best']}"}
+
+    return Job(name, run, {"argv": argv, "bin": os.path.basename(bin_dir), **settings}, deps, threads,
+               what=what or f"fairseq-train {name}")
+
+
+def eval_job(name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, threads=1, src="de", tgt="en"):
+    """sacreBLEU of a checkpoint (``ckpt_of(S)`` gives its path once the deps ran) for each (split, beam)."""
+
+    def run(job, S):
+        res = S.worker("evaluate", {"ckpt": ckpt_of(S), "bin_dir": corpus.bin, "src": src, "tgt": tgt,
+                                    "refs": corpus.refs(tgt), "decodes": decodes,
+                                    "out_dir": S.dir("hyps", name), "task": task}, S.log(name), threads)
+        keys = [k for k in res if k.startswith("bleu_") and not k.endswith(("_signature", "_seconds"))]
+        return {**res, "hyps_dir": os.path.join(S.W, "hyps", name),
+                "summary": ", ".join(f"{k[5:]} {res[k]:.2f}" for k in keys)}
+
+    return Job(name, run, {"decodes": decodes, "task": task, **(settings or {})}, deps, threads,
+               what=f"sacreBLEU of {name}")
+
+
+def trained(S, name):
+    """A training job's result with its summary read again from its log (so that a resumed training counts the
+    minutes of every process that trained it)."""
+    log = S.log(name, "train.log")
+    return {**S.result(name), **(train_summary(log) if os.path.exists(log) else {})}
+
+
+def result_or_none(path):
+    return read_json(path)

@@ -1,0 +1,215 @@
+"""ConvS2S (Gehring et al., ICML 2017) against what its paper beat, for python -m benchmarks.claims --paper convs2s.
+
+Claim: a fully convolutional encoder-decoder with GLUs and multi-step attention beats strong recurrent
+(LSTM) models in accuracy (WMT'16 En-Ro, WMT'14 En-De / En-Fr) while training and translating faster; attention in
+every decoder layer (multi-step attention) is better than attention in the last layer only (Table 5: removing
+attention from all but the top layer costs BLEU).
+
+Here: ``fconv_glu`` (4 + 3 GLU convolutions of width ``--dim``, kernel 3: the quickstart's) against fairseq's ``lstm``
+with attention of similar size (a bidirectional LSTM encoder and an LSTM decoder of hidden size 2 * ``--dim``, shared
+embeddings), and ``fconv_glu`` with attention in its last decoder layer only. Each trains with its own optimiser (the
+quickstart's NAG for ConvS2S as in the paper; adam for the LSTM, its learning rate chosen by short pilots on the
+valid set) for the same number of updates of the same batches (tokens), two at a time, one thread each, so their
+wall clocks compare; interval checkpoints give the equal-minutes comparison (each model at the largest checkpoint
+it reached within the minutes the faster one needed for all its updates).
+"""
+
+import os
+
+from . import report as R
+from .common import adam_args, eval_job, plateau_args, train_job, trained, update_walls
+from .jobs import Job
+from .report import pyplot, save_figure
+
+PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
+         "en_de": {"convs2s": 25.16, "gnmt_lstm": 24.61},  # Table 1: WMT'14 En-De, ConvS2S vs GNMT (word-piece LSTM)
+         "attention_last_layer_only_delta": -0.3}  # Table 5 on WMT'16 En-Ro: attention only in the top decoder layer
+LSTM_LRS = (0.001, 0.003)
+
+
+def options(p):
+    g = p.add_argument_group("convs2s")
+    g.add_argument("--convs2s-updates", type=int, default=3000, help="updates of every model (default 3000)")
+    g.add_argument("--convs2s-pilot-updates", type=int, default=600, help="updates of each LSTM pilot (600)")
+
+
+def smoke(a):
+    a.convs2s_updates, a.convs2s_pilot_updates = 30, 10
+
+
+class ConvS2S:
+    def __init__(self, ctx):
+        self.ctx, self.S, self.a, self.corpus = ctx, ctx.S, ctx.args, ctx.corpus
+
+    def common(self, updates):
+        interval = 10 if self.a.smoke else 250
+        return ["--task", "translation", "--source-lang", "de", "--target-lang", "en", "--max-tokens", "1024",
+                *plateau_args(updates, interval=interval, patience=1000, keep=1000)]
+
+    def fconv(self, attention="True"):
+        d = self.a.dim
+        return ["--arch", "fconv_glu", "--encoder-embed-dim", str(d), "--encoder-layers", f"[({d}, 3)] * 4",
+                "--decoder-embed-dim", str(d), "--decoder-layers", f"[({d}, 3)] * 3", "--decoder-out-embed-dim",
+                str(d), "--decoder-attention", attention, "--share-input-output-embed", "--dropout", "0.0",
+                "--optimizer", "nag", "--lr", "0.25", "--clip-norm", "0.1", "--lr-scheduler", "fixed",
+                "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+
+    def lstm(self, lr):
+        d = self.a.dim
+        argv = ["--arch", "lstm", "--encoder-embed-dim", str(d), "--encoder-hidden-size", str(2 * d),
+                "--encoder-layers", "1", "--encoder-bidirectional", "--decoder-embed-dim", str(d),
+                "--decoder-hidden-size", str(2 * d), "--decoder-layers", "1", "--decoder-out-embed-dim", str(d),
+                "--decoder-attention", "1", *adam_args(lr, warmup=200, attention_dropout=False)]
+        return argv
+
+    def run(self):
+        S, a = self.S, self.a
+        pilots = []
+        for lr in LSTM_LRS:
+            name = f"convs2s-lstm-pilot-lr{lr}"
+            S.add(train_job(name, S, self.corpus.bin, self.lstm(lr) + self.common(a.convs2s_pilot_updates), ["data"],
+                            {}, what=f"LSTM pilot, lr {lr}"))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                           [("valid", 1)], [name]))
+            pilots.append(name)
+        S.run_all([f"{n}-eval" for n in pilots])
+        scored = sorted(((S.result(f"{n}-eval")["bleu_valid_greedy"], n) for n in pilots), reverse=True)
+        lr = float(scored[0][1].rsplit("lr", 1)[1])
+        self.ctx.say("convs2s: LSTM pilots on valid (greedy BLEU): " + ", ".join(f"lr {n.rsplit('lr', 1)[1]} {b:.2f}"
+                                                                               for b, n in scored) + f" -> lr {lr}")
+        runs = {"convs2s-fconv": self.fconv("True"), "convs2s-lstm": self.lstm(lr),
+                "convs2s-fconv-lastattn": self.fconv("[False, False, True]")}
+        for name, argv in runs.items():
+            S.add(train_job(name, S, self.corpus.bin, argv + self.common(a.convs2s_updates), ["data"], {},
+                            what=name[8:]))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                           [("valid", 4), ("test", 1), ("test", 4)], [name]))
+
+        def equal_minutes(job, S):
+            """The checkpoint of each model at the minutes the faster of fconv / lstm needed for all its updates."""
+            times = {name: update_walls(S.log(name, "train.log")) for name in ("convs2s-fconv", "convs2s-lstm")}
+            budget = min(t[-1][1] for t in times.values())
+            out = {"minutes": round(budget / 60, 1)}
+            interval = 10 if self.a.smoke else 250
+            for name, t in times.items():
+                reached = max(u for u, w in t if w <= budget + 1)
+                ckpt_update = reached // interval * interval
+                ckpt = next((os.path.join(S.W, "checkpoints", name, f) for f in os.listdir(os.path.join(
+                    S.W, "checkpoints", name)) if f.endswith(f"_{ckpt_update}.pt")), None)
+                res = {"updates_at_budget": reached, "checkpoint_update": ckpt_update}
+                if ckpt:
+                    res.update(S.worker("evaluate", {"ckpt": ckpt, "bin_dir": self.corpus.bin, "src": "de",
+                                                     "tgt": "en", "refs": self.corpus.refs(), "decodes": [["test", 4]],
+                                                     "out_dir": S.dir("hyps", f"{name}-equal-minutes")},
+                                        S.log(f"{name}-equal-minutes")))
+                out[name] = res
+            return out
+
+        S.add(Job("convs2s-equal-minutes", equal_minutes, {}, ["convs2s-fconv", "convs2s-lstm", "data"],
+                  what="each model at the minutes the faster needed"))
+        S.run_all([f"{n}-eval" for n in runs] + ["convs2s-equal-minutes"])
+        return {"lstm_lr": lr, "pilots": {n: b for b, n in scored}}
+
+
+def verdict(fconv, lstm, last, minutes):
+    """(verdict, reason) from test BLEU (beam 4): ConvS2S against the LSTM at equal updates and equal minutes, and
+    multi-step attention against attention in the last layer only."""
+    parts = {"equal updates": fconv - lstm, "equal minutes": minutes[0] - minutes[1] if minutes else None,
+             "multi-step attention": fconv - last}
+    said = "; ".join(f"{k}: {v:+.2f} BLEU" for k, v in parts.items() if v is not None)
+    if all(v is None or v > 0 for v in parts.values()):
+        return "reproduced", (f"ConvS2S is above the LSTM with attention at equal updates and at equal minutes, and "
+                              f"attention in every decoder layer is above attention in the last one ({said}).")
+    lost = [k for k, v in parts.items() if v is not None and v <= 0]
+    return "not reproduced", f"Not above its control at {', '.join(lost)} ({said})."
+
+
+def plot(S, labels, png):
+    """Valid loss against updates (equal updates) and against training minutes (equal minutes), one line per
+    model, from the training logs."""
+    fig, (by_update, by_minute) = pyplot().subplots(1, 2, figsize=(9.6, 3.8), sharey=True)
+    for (name, label), style in zip(labels.items(), ("o-", "s-", "^--")):
+        curve = trained(S, name)["valid_curve"]
+        walls = update_walls(S.log(name, "train.log"))
+        minutes = [next((w for u2, w in walls if u2 >= u), walls[-1][1]) / 60 for u, _ in curve]
+        by_update.plot([u for u, _ in curve], [loss for _, loss in curve], style, label=label, markersize=4)
+        by_minute.plot(minutes, [loss for _, loss in curve], style, label=label, markersize=4)
+    by_update.set_xlabel("updates")
+    by_minute.set_xlabel("training minutes (2 cores, side by side)")
+    by_update.set_ylabel("valid loss (label-smoothed)")
+    for ax in (by_update, by_minute):
+        ax.grid(alpha=0.3)
+    by_update.legend(fontsize=7)
+    fig.suptitle("ConvS2S vs an LSTM with attention, Bible De->En")
+    save_figure(fig, png)
+
+
+def report(ctx, outcome):
+    """docs/CLAIMS.md's ConvS2S section and claims.json's ``convs2s``."""
+    S, a = ctx.S, ctx.args
+    labels = {"convs2s-fconv": "fconv_glu (attention in every decoder layer)",
+              "convs2s-lstm": f"lstm with attention (lr {outcome['lstm_lr']})",
+              "convs2s-fconv-lastattn": "fconv_glu, attention in the last decoder layer only"}
+    rows, rec = [], {}
+    for n, label in labels.items():
+        tr, ev = trained(S, n), S.result(f"{n}-eval")
+        rows.append([label, f"{ev.get('params', 0) / 1e6:.2f}", R.fmt(ev["bleu_valid_beam4"]),
+                     R.fmt(ev["bleu_test_greedy"]), R.fmt(ev["bleu_test_beam4"]), tr["updates"],
+                     f"{tr['train_tokens_per_s']:.0f}", f"{tr.get('train_minutes', tr['minutes']):.1f}"])
+        rec[n[8:]] = {"params": ev.get("params"), "valid_beam4": ev["bleu_valid_beam4"],
+                      "test_beam4": ev["bleu_test_beam4"], "test_greedy": ev["bleu_test_greedy"],
+                      "updates": tr["updates"], "train_tokens_per_s": tr["train_tokens_per_s"],
+                      "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
+    eq = S.result("convs2s-equal-minutes")
+    erows, eq_bleu = [], None
+    if all("bleu_test_beam4" in eq.get(n, {}) for n in ("convs2s-fconv", "convs2s-lstm")):
+        eq_bleu = (eq["convs2s-fconv"]["bleu_test_beam4"], eq["convs2s-lstm"]["bleu_test_beam4"])
+        for n in ("convs2s-fconv", "convs2s-lstm"):
+            erows.append([labels[n], eq[n]["updates_at_budget"], eq[n]["checkpoint_update"],
+                          R.fmt(eq[n]["bleu_test_beam4"])])
+    ev = {n: S.result(f"{n}-eval")["bleu_test_beam4"] for n in labels}
+    v, reason = verdict(ev["convs2s-fconv"], ev["convs2s-lstm"], ev["convs2s-fconv-lastattn"], eq_bleu)
+    prow = [[n.rsplit("lr", 1)[1], R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
+    md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)
+
+**Claim** (Table 1): a fully convolutional model with gated linear units and multi-step attention beats strong
+recurrent models (WMT'16 En-Ro {PAPER['en_ro']['convs2s']} vs {PAPER['en_ro']['gru_bpe_sennrich']}; WMT'14 En-De
+{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while training and translating faster;
+attention in every decoder layer beats attention in the last layer only (Table 5).
+
+**Verdict: {v}.** {reason}
+
+```bash
+{R.command(a, "convs2s")}
+```
+
+**Setup.** `fconv_glu` of width {a.dim} (4 encoder and 3 decoder convolutions of kernel 3, shared input/output
+embedding, NAG lr 0.25, clip 0.1, as the quickstart) against fairseq's `lstm` (a bidirectional 1-layer encoder and
+a 1-layer decoder of hidden size {2 * a.dim}, attention, shared embeddings, adam with its learning rate chosen on
+valid by {len(outcome['pilots'])} pilots of {a.convs2s_pilot_updates} updates), and `fconv_glu` with
+`--decoder-attention "[False, False, True]"`; label smoothing 0.1, 1,024 tokens a batch, {a.convs2s_updates} updates
+each, fconv and the LSTM side by side (one thread each, so their minutes compare), the last 3 interval
+checkpoints averaged for the equal-updates rows.
+
+### Equal updates
+
+{R.table(["model", "params (M)", "valid BLEU (beam 4)", "test BLEU (greedy)", "test BLEU (beam 4)", "updates",
+          "train tokens/s", "minutes"], rows)}
+
+### Equal minutes ({eq.get('minutes', '-')} min: what the faster of the two needed for all its updates)
+
+{R.table(["model", "updates in that time", "checkpoint used", "test BLEU (beam 4)"], erows) if erows else "-"}
+
+![valid loss against updates and against minutes](claims_convs2s_valid_loss.png)
+
+LSTM pilots (valid greedy BLEU by learning rate):
+
+{R.table(["lr", "valid greedy"], prow)}
+
+Signatures: {R.signatures([S.result(f"{n}-eval") for n in labels])}.
+"""
+    record = {"verdict": v, "reason": reason, "models": rec, "equal_minutes": eq, "paper": PAPER,
+              "command": R.command(a, "convs2s")}
+    png = os.path.join(S.W, "convs2s_valid_loss.png")
+    plot(S, labels, png)
+    return R.write(a.docs_dir, "convs2s", md, record, [png])

@@ -1,0 +1,248 @@
+"""The job scheduler of python -m benchmarks.claims: resumable jobs, run one or two at a time, each in its own
+process.
+
+A job is a named step (train a model, decode a split, distil a corpus, time decoders) with the settings that
+define its output. Its result (a JSON dictionary) is stored in ``WORKDIR/results/NAME.json`` with a hash of those
+settings and of the settings of the jobs it depends on: a re-run skips every job whose result is there with the
+same hash, and re-runs a job (and everything after it) whose settings changed. Jobs run in worker threads, each
+one driving child processes (fairseq's command lines, or ``python -m benchmarks.claims.work`` for the Python
+steps) with ``OMP_NUM_THREADS`` set to the job's thread count; ``--jobs 2`` runs two one-thread jobs side by side
+on a 2-core machine (``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads of two processes on two cores slow both
+many times over). A job marked ``exclusive`` (timings) runs alone.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class ClaimsError(Exception):
+    """A one-line error for the user (a failed step names its log)."""
+
+
+def read_json(path, default=None):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
+        return default
+
+
+def read_object(path):
+    """(the JSON object in ``path`` or None, why it is damaged or None); a missing file is not damaged."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError, RecursionError) as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object"
+    return obj, None
+
+
+def write_json(path, obj):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+    os.replace(path + ".tmp", path)
+
+
+def settings_hash(obj) -> str:
+    return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass
+class Job:
+    name: str  # unique, used in file names: "sat-k2", "sat-k2-eval"
+    run: Callable[["Job", "Scheduler"], dict]  # does the work, returns the result
+    settings: dict  # what defines the output
+    deps: List[str] = field(default_factory=list)
+    threads: int = 1
+    exclusive: bool = False  # runs alone (a timing)
+    what: str = ""  # a few words for the progress line
+
+
+class Scheduler:
+    """Runs jobs in dependency order, ``jobs`` at a time (exclusive ones alone), skipping finished ones."""
+
+    def __init__(self, workdir: str, jobs: int = 1, say=print):
+        self.W = os.path.abspath(workdir)
+        self.max_jobs = jobs
+        self.say = say
+        self.jobs: Dict[str, Job] = {}
+        self.results: Dict[str, dict] = {}
+        self.hashes: Dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def add(self, job: Job) -> Job:
+        if job.name in self.jobs:
+            raise ClaimsError(f"two jobs are named {job.name}")
+        self.jobs[job.name] = job
+        return job
+
+    # -- paths -------------------------------------------------------------------------------------------
+    def result_path(self, name):
+        return os.path.join(self.W, "results", f"{name}.json")
+
+    def log(self, name, what="log"):
+        os.makedirs(os.path.join(self.W, "logs"), exist_ok=True)
+        return os.path.join(self.W, "logs", f"{name}.{what}")
+
+    def dir(self, *parts):
+        d = os.path.join(self.W, *parts)
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    # -- hashing and skipping ------------------------------------------------------------------------------
+    def job_hash(self, name) -> str:
+        if name not in self.hashes:
+            job = self.jobs[name]
+            self.hashes[name] = settings_hash({"settings": job.settings,
+                                               "deps": [self.job_hash(d) for d in job.deps]})
+        return self.hashes[name]
+
+    def done(self, name) -> Optional[dict]:
+        old, damaged = read_object(self.result_path(name))
+        if damaged:
+            self.say(f"warning: the result file {self.result_path(name)} is damaged ({damaged}): step {name} runs "
+                     "again")
+        if old and old.get("settings_hash") == self.job_hash(name) and old.get("ok"):
+            return old
+        return None
+
+    def result(self, name) -> dict:
+        return self.results[name]
+
+    # -- running ----------------------------------------------------------------------------------------
+    def run_all(self, names: Optional[List[str]] = None):
+        wanted = self._closure(names or list(self.jobs))
+        pending = [n for n in self.jobs if n in wanted]  # in the order they were added
+        for n in list(pending):
+            old = self.done(n)
+            if old is not None:
+                self.results[n] = old
+                pending.remove(n)
+        skipped = len(wanted) - len(pending)
+        if skipped:
+            self.say(f"{skipped} of {len(wanted)} steps finished earlier with the same settings: skipped")
+        running: Dict[str, threading.Thread] = {}
+        errors: List[str] = []
+        t_start = time.time()
+        while pending or running:
+            for n, th in list(running.items()):
+                if not th.is_alive():
+                    th.join()
+                    del running[n]
+            if errors:
+                if not running:
+                    raise ClaimsError(errors[0])
+                time.sleep(0.5)
+                continue
+            started = False
+            for n in list(pending):
+                job = self.jobs[n]
+                if any(d not in self.results for d in job.deps):
+                    continue
+                if running and (job.exclusive or any(self.jobs[r].exclusive for r in running)):
+                    break
+                if len(running) >= self.max_jobs:
+                    break
+                pending.remove(n)
+                th = threading.Thread(target=self._run_one, args=(job, errors), daemon=True)
+                running[n] = th
+                th.start()
+                started = True
+                if job.exclusive:
+                    break
+            if not started:
+                if not running and pending:
+                    stuck = ", ".join(pending[:3])
+                    raise ClaimsError(f"steps {stuck} wait for steps that did not run")
+                time.sleep(0.5)
+        return time.time() - t_start
+
+    def _closure(self, names):
+        out, stack = set(), list(names)
+        while stack:
+            n = stack.pop()
+            if n in out:
+                continue
+            if n not in self.jobs:
+                raise ClaimsError(f"no step named {n}")
+            out.add(n)
+            stack.extend(self.jobs[n].deps)
+        return out
+
+    def _run_one(self, job: Job, errors: List[str]):
+        t0 = time.time()
+        self.say(f"start  {job.name}: {job.what or job.name}")
+        try:
+            res = job.run(job, self) or {}
+        except ClaimsError as e:
+            errors.append(f"{job.name}: {e}")
+            self.say(f"FAILED {job.name}: {e}")
+            return
+        except Exception as e:  # noqa: BLE001  (reported with its traceback in the job's log)
+            with open(self.log(job.name, "error"), "w") as f:
+                traceback.print_exc(file=f)
+            errors.append(f"{job.name}: {type(e).__name__}: {e} (traceback in {self.log(job.name, 'error')})")
+            self.say(f"FAILED {job.name}: {type(e).__name__}: {e}")
+            return
+        res = {"ok": True, "settings_hash": self.job_hash(job.name), "minutes": (time.time() - t0) / 60,
+               "threads": job.threads, **res}
+        write_json(self.result_path(job.name), res)
+        with self.lock:
+            self.results[job.name] = res
+        self.say(f"done   {job.name} in {(time.time() - t0) / 60:.1f} min" + (f": {res['summary']}"
+                                                                            if res.get("summary") else ""))
+
+    # -- child processes --------------------------------------------------------------------------------
+    def env(self, threads: int) -> dict:
+        env = dict(os.environ)
+        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                    "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "PYTHONUNBUFFERED": "1"})
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def sh(self, cmd: List[str], log: str, threads: int = 1, what: str = "") -> float:
+        """Runs ``cmd`` (its output appended to ``log``); raises ClaimsError naming the log when it fails.
+        Returns the child's CPU seconds."""
+        cmd = [str(c) for c in cmd]
+        with open(log, "a", encoding="utf-8") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            before = os.times()
+            rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env(threads))
+            after = os.times()
+        if rc != 0:
+            raise ClaimsError(f"{what or cmd[2]} failed (exit {rc}); see {log}")
+        return (after.children_user - before.children_user) + (after.children_system - before.children_system)
+
+    def fairseq(self, tool: str, argv: List[str], log: str, threads: int = 1) -> float:
+        """A fairseq command line (``train``, ``generate``, ``preprocess``) in a child process."""
+        return self.sh([sys.executable, "-m", f"fairseq_cli.{tool}", *argv], log, threads, f"fairseq-{tool}")
+
+    def worker(self, fn: str, kwargs: dict, log: str, threads: int = 1) -> dict:
+        """A Python step of benchmarks/claims/work.py (``fn``) in a child process; returns its result."""
+        spec = os.path.join(self.dir("tmp"), f"worker-{os.getpid()}-{threading.get_ident()}.json")
+        write_json(spec, {"fn": fn, "kwargs": kwargs})
+        out = spec + ".out"
+        if os.path.exists(out):
+            os.remove(out)
+        self.sh([sys.executable, "-m", "benchmarks.claims.work", spec, out], log, threads, fn)
+        res, damaged = read_object(out)
+        if res is None:
+            raise ClaimsError(f"{fn} wrote no result object ({damaged or 'no file'}: {out}); see {log}")
+        return res

@@ -1,0 +1,187 @@
+"""MSC (Wei et al., ACL 2020) depth with its controls, for python -m benchmarks.claims --paper msc.
+
+Claim: a plain deep Transformer degrades as its encoder grows (Figure 2: lower BLEU on its own training data, so
+not over-fitting), while MSC's block-scale and contextual collaboration train deep encoders that gain 2-3 BLEU over
+the 6-layer model (Table 1: IWSLT'14 De-En 6 -> 36 / 54 / 72 layers).
+
+Here: encoders of 6 / 12 / 24 layers (3 decoder layers, so 3 MSC blocks of 2 / 4 / 8 layers), width ``--dim``
+(128), for three encoders at each depth: fairseq's post-norm transformer, its pre-norm transformer (the paper's
+baseline: layer norm at each sublayer's input) and MSC; the same optimiser, schedule, dropout, batch size (tokens)
+and number of updates for all nine. Each is scored on the valid set (the learning curves), the test set (once), and
+1,000 training pairs drawn with a fixed seed (the paper's Figure 2 measures on 3,000 training pairs:
+``python -m fairseq_ext.msc.degradation --checkpoints`` does that scoring and draws the figure).
+"""
+
+import os
+
+from . import report as R
+from .common import adam_args, eval_job, plateau_args, size_args, train_job, trained
+from .jobs import Job, read_json
+from .report import pyplot, save_figure
+
+# Table 2 of the paper (IWSLT'14 De->En, small models, BLEU): the 6-layer Transformer, MSC with 6 / 36 / 54 layers and
+# 72 layers with L2 (the 72-layer MSC without L2 did not train)
+PAPER = {"plain_6": 32.73, "msc_6": 33.10, "msc_36": 34.86, "msc_54": 35.16, "msc_72_l2": 35.81}
+DEPTHS = (6, 12, 24)
+BLOCKS = 3
+VARIANTS = ("post", "pre", "msc")
+
+
+def options(p):
+    g = p.add_argument_group("msc")
+    g.add_argument("--msc-updates", type=int, default=3000, help="updates of every model (default 3000)")
+    g.add_argument("--msc-depths", default="6,12,24", help="encoder depths, multiples of 3 (default 6,12,24)")
+    g.add_argument("--msc-lr", type=float, default=0.0015, help="peak learning rate of all (default 0.0015)")
+    g.add_argument("--msc-dropout", type=float, default=0.1, help="dropout of all (default 0.1)")
+    g.add_argument("--msc-train-sample", type=int, default=1000, help="training pairs scored (default 1000)")
+
+
+def smoke(a):
+    a.msc_updates, a.msc_depths, a.msc_train_sample = 30, "6,12", 20
+
+
+class MSC:
+    def __init__(self, ctx):
+        self.ctx, self.S, self.a, self.corpus = ctx, ctx.S, ctx.args, ctx.corpus
+        self.depths = [int(d) for d in self.a.msc_depths.split(",")]
+
+    def argv(self, variant, depth):
+        a = self.a
+        opt = adam_args(a.msc_lr, warmup=500, dropout=a.msc_dropout)
+        interval = 10 if a.smoke else 500
+        common = ["--task", "translation", "--source-lang", "de", "--target-lang", "en",
+                  *plateau_args(a.msc_updates, interval=interval, patience=1000, keep=3)]
+        if variant == "msc":
+            dims = size_args(a.dim, enc_layers=None, dec_layers=BLOCKS)
+            return ["--arch", "msc_transformer", "--encoder-blocks", str(BLOCKS), "--encoder-layers-per-block",
+                    str(depth // BLOCKS), *dims, *opt, *common]
+        norm = ["--encoder-normalize-before", "--decoder-normalize-before"] if variant == "pre" else []
+        return ["--arch", "transformer", *size_args(a.dim, enc_layers=depth, dec_layers=BLOCKS), *norm, *opt, *common]
+
+    def run(self):
+        S = self.S
+        names = []
+        for depth in self.depths:
+            for variant in VARIANTS:
+                name = f"msc-{variant}{depth}"
+                kind = "MSC" if variant == "msc" else f"{variant}-norm transformer"
+                S.add(train_job(name, S, self.corpus.bin, self.argv(variant, depth), ["data"], {},
+                                what=f"{kind}, {depth} encoder layers"))
+                S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                               [("valid", 4), ("test", 4)], [name]))
+                names.append(name)
+
+        def degradation(job, S):
+            pairs = [f"{n[4:]}={S.result(n)['checkpoint']}" for n in names]
+            out = S.dir("degradation")
+            log = S.log("msc-degradation")
+            S.sh([os.sys.executable, "-m", "fairseq_ext.msc.degradation", self.corpus.bin, "--src", "de",
+                  "--tgt", "en", "--workdir", out, "--checkpoints", ",".join(pairs), "--sample",
+                  str(self.a.msc_train_sample), "--plot", os.path.join(S.W, "msc_degradation.png"), "--cpu"],
+                 log, job.threads, "msc.degradation")
+            return read_json(os.path.join(out, "degradation.json"))
+
+        S.add(Job("msc-degradation", degradation, {"sample": self.a.msc_train_sample}, names + ["data"],
+                  what="Figure 2: BLEU on training pairs and valid of every model"))
+        S.run_all([f"{n}-eval" for n in names] + ["msc-degradation"])
+        return {"models": names}
+
+
+def learning_curves(S, names, png):
+    """Valid loss against updates of every model (the evidence when depth does not pay)."""
+    fig, ax = pyplot().subplots(figsize=(6, 4))
+    for n in names:
+        curve = S.result(n)["valid_curve"]
+        if curve:
+            ax.plot([u for u, _ in curve], [loss for _, loss in curve], marker=".", label=n[4:])
+    ax.set_xlabel("updates")
+    ax.set_ylabel("valid loss (label-smoothed, base 2)")
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, png)
+    return png
+
+
+def verdict(bleu, depths):
+    """(verdict, reason) from test BLEU (beam 4) by (variant, depth): the issue's targets for the deepest MSC."""
+    lo, hi = min(depths), max(depths)
+    msc, pre, post = bleu[("msc", hi)], bleu[("pre", hi)], bleu[("post", hi)]
+    best_shallow = max(bleu[(v, lo)] for v in VARIANTS)
+    gain = {v: bleu[(v, hi)] - bleu[(v, lo)] for v in VARIANTS}
+    numbers = (f"test BLEU (beam 4) at {hi} layers: MSC {msc:.2f}, pre-norm {pre:.2f}, post-norm {post:.2f}; best "
+               f"{lo}-layer model {best_shallow:.2f}; {lo} -> {hi} layers: "
+               + ", ".join(f"{v} {d:+.2f}" for v, d in gain.items()))
+    if msc >= pre + 0.5 and msc >= best_shallow + 1.0:
+        return "reproduced", f"MSC-{hi} >= pre-norm-{hi} + 0.5 and >= the best {lo}-layer model + 1.0: {numbers}."
+    if max(gain.values()) <= 0.0:
+        return ("not testable at this scale", f"No encoder gains from depth on this corpus ({numbers}), so the data "
+                "cannot show what depth buys; the learning curves show the deeper models' valid loss level with or "
+                "above the shallow ones'.")
+    return "not reproduced", f"Depth pays for some encoder but MSC-{hi} misses a target ({numbers})."
+
+
+def report(ctx, outcome):
+    """docs/CLAIMS.md's MSC section and claims.json's ``msc``."""
+    S, a = ctx.S, ctx.args
+    names = outcome["models"]
+    depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
+    deg = {(r["variant"], r["depth"]): r for r in (S.result("msc-degradation") or {}).get("results", [])}
+    rows, bleu, record_models = [], {}, {}
+    for n in names:
+        variant = n[4:].rstrip("0123456789")
+        depth = int(n[4 + len(variant):])
+        tr, ev = trained(S, n), S.result(f"{n}-eval")
+        bleu[(variant, depth)] = ev["bleu_test_beam4"]
+        d = deg.get((variant, depth), {})
+        rows.append([{"post": "post-norm transformer", "pre": "pre-norm transformer", "msc": "MSC"}[variant], depth,
+                     R.fmt(ev["bleu_valid_beam4"]), R.fmt(ev["bleu_test_beam4"]), R.fmt(d.get("train_bleu")),
+                     R.fmt(tr["valid_loss_best"], 3), R.fmt(tr["train_loss_last"], 3), tr["updates"],
+                     f"{tr.get('train_minutes', tr['minutes']):.0f}"])
+        record_models[n[4:]] = {"valid_beam4": ev["bleu_valid_beam4"], "test_beam4": ev["bleu_test_beam4"],
+                                "train_bleu": d.get("train_bleu"), "valid_loss_best": tr["valid_loss_best"],
+                                "updates": tr["updates"],
+                                "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
+    v, reason = verdict(bleu, depths)
+    lo, hi = min(depths), max(depths)
+    train = {k: r.get("train_bleu") for k, r in deg.items()}
+    if all(train.get((var, d)) is not None for var in VARIANTS for d in (lo, hi)):
+        reason += (f" Figure 2's degradation is reproduced: BLEU on training pairs from {lo} to {hi} layers "
+                   + ", ".join(f"{var} {train[(var, lo)]:.2f} -> {train[(var, hi)]:.2f}" for var in VARIANTS)
+                   + f"; at {hi} layers MSC is {bleu[('msc', hi)] - bleu[('pre', hi)]:+.2f} test BLEU over the "
+                   "pre-norm transformer of its depth.")
+    curves = learning_curves(S, names, os.path.join(S.W, "msc_learning_curves.png"))
+    figures = [curves] + ([os.path.join(S.W, "msc_degradation.png")]
+                          if os.path.exists(os.path.join(S.W, "msc_degradation.png")) else [])
+    md = f"""## MSC: multiscale collaborative deep encoders (Wei et al., ACL 2020)
+
+**Claim** (Table 2, IWSLT'14 De-En): a plain deep Transformer degrades as its encoder grows (Figure 2: lower
+BLEU even on its training data, so not over-fitting), while block-scale collaboration and the contextual GRU
+state let deep encoders train and gain: 6-layer Transformer {PAPER['plain_6']}, MSC-6 {PAPER['msc_6']}, MSC-36
+{PAPER['msc_36']}, MSC-54 {PAPER['msc_54']}, MSC-72 with L2 {PAPER['msc_72_l2']}. Targets here: MSC-{max(depths)}
+>= pre-norm-{max(depths)} + 0.5 and >= the best {min(depths)}-layer model + 1.0 BLEU.
+
+**Verdict: {v}.** {reason}
+
+```bash
+{R.command(a, "msc")}
+```
+
+**Setup.** Encoders of {" / ".join(map(str, depths))} layers, {BLOCKS} decoder layers ({BLOCKS} MSC blocks), width
+{a.dim} (FFN {4 * a.dim}, 4 heads), shared embeddings; for each depth fairseq's post-norm `transformer`, its
+pre-norm one (`--encoder-normalize-before --decoder-normalize-before`) and `msc_transformer`; all with adam
+(0.9, 0.98), lr {a.msc_lr}, inverse_sqrt with 500 warm-up updates, dropout {a.msc_dropout}, label smoothing 0.1,
+1,024 tokens a batch, {a.msc_updates} updates, the last 3 interval checkpoints (every 500 updates) averaged, one
+thread each. Train BLEU: {a.msc_train_sample} training pairs drawn with a fixed seed, beam 4 (the paper's Figure 2,
+`python -m fairseq_ext.msc.degradation --checkpoints`).
+
+{R.table(["encoder", "layers", "valid BLEU (beam 4)", "test BLEU (beam 4)", "train BLEU", "best valid loss",
+          "last train loss", "updates", "minutes"], rows)}
+
+Signatures: {R.signatures([S.result(f"{n}-eval") for n in names])}.
+
+![valid loss against updates](claims_msc_learning_curves.png)
+""" + ("""
+![Figure 2: BLEU on training pairs and valid against depth](claims_msc_degradation.png)
+""" if len(figures) > 1 else "")
+    record = {"verdict": v, "reason": reason, "models": record_models, "paper": PAPER, "depths": depths,
+              "command": R.command(a, "msc")}
+    return R.write(a.docs_dir, "msc", md, record, figures)

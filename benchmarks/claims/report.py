@@ -1,0 +1,112 @@
+"""docs/CLAIMS.md and docs/claims.json for python -m benchmarks.claims: one section (and one record) per paper,
+replaced when that paper is run again, the others kept."""
+
+import os
+import re
+import shutil
+import time
+
+from .jobs import ROOT, read_json, write_json
+
+HEADER = """# The papers' claims, tested with their controls
+
+Each section is written by `python -m benchmarks.claims --paper PAPER` (the command is in the section) on the
+bundled Bible corpus (German -> English, 29,080 training verses, the release's sentencepiece model and dictionary),
+on 2 CPU cores: the experiment each paper's claim needs, with the control of equal depth, updates and data, at the
+size that fits (the sizes are flags of the same command, for a larger machine). Hyper-parameters are chosen on the
+valid set; the test set is decoded once per model after training. Every BLEU is sacreBLEU on detokenised text
+(signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict.
+"""
+VERDICTS = ("reproduced", "not reproduced", "not testable at this scale")
+
+
+def pyplot():
+    """``matplotlib.pyplot`` drawing to files only (the Agg backend), its font-search messages silenced."""
+    import logging
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, png):
+    """Writes ``fig`` to ``png`` (tight layout, 120 dpi, its folder made) and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(png) or ".", exist_ok=True)
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def begin(paper):
+    return f"<!-- claims:{paper} -->"
+
+
+def end(paper):
+    return f"<!-- /claims:{paper} -->"
+
+
+def write(docs_dir, paper, markdown, record, figures=()):
+    """Replaces ``paper``'s section of CLAIMS.md and its record in claims.json; copies ``figures`` (paths) next to
+    them, as ``claims_NAME``."""
+    if record.get("verdict") not in VERDICTS:
+        raise ValueError(f"verdict {record.get('verdict')!r} is not one of {VERDICTS}")
+    if not record.get("reason"):
+        raise ValueError("a verdict needs its reason")
+    os.makedirs(docs_dir, exist_ok=True)
+    for path in figures:
+        shutil.copyfile(path, os.path.join(docs_dir, "claims_" + os.path.basename(path)))
+    md_path = os.path.join(docs_dir, "CLAIMS.md")
+    old = open(md_path, encoding="utf-8").read() if os.path.exists(md_path) else HEADER
+    section = f"{begin(paper)}\n{markdown.strip()}\n{end(paper)}\n"
+    pat = re.compile(re.escape(begin(paper)) + r".*?" + re.escape(end(paper)) + r"\n?", re.S)
+    new = pat.sub(lambda m: section, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + section
+    with open(md_path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(new)
+    os.replace(md_path + ".tmp", md_path)
+    json_path = os.path.join(docs_dir, "claims.json")
+    records = read_json(json_path, {}) or {}
+    records[paper] = {**record, "written": time.strftime("%Y-%m-%d")}
+    write_json(json_path, records)
+    return md_path, json_path
+
+
+def command(args, paper):
+    """The command that produced a section: the non-default flags of this run (paths left out)."""
+    words = ["python", "-m", "benchmarks.claims", "--paper", paper]
+    for k, v in sorted(vars(args).items()):
+        if k in ("paper", "workdir", "docs_dir") or v is None:
+            continue
+        default = args.defaults.get(k) if hasattr(args, "defaults") else None
+        if v == default or k == "defaults":
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            words += [flag] if v else []
+        elif isinstance(v, str) and os.path.isabs(v):
+            words += [flag, os.path.relpath(v, ROOT)]
+        else:
+            words += [flag, str(v)]
+    return " ".join(words)
+
+
+def table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        out.append("| " + " | ".join("" if c is None else str(c) for c in r) + " |")
+    return "\n".join(out)
+
+
+def fmt(x, digits=2):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def signatures(results):
+    """The distinct sacreBLEU signatures of these eval results."""
+    sigs = sorted({v for r in results for k, v in r.items() if k.endswith("_signature")})
+    return ", ".join(f"`{s}`" for s in sigs) or "-"

@@ -1,0 +1,1 @@
+"""Speed benchmarks, one module each: python -m benchmarks.speed.NAME --help."""

@@ -1,0 +1,63 @@
+"""Per-row work of the SAT beam step: what one step of the group beam search spends on each distribution row
+besides the decoder, with ``topk`` and with ``fairseq_ext.sat.generator``'s ``top_b``, and with a full NaN pass and
+with the generator's check on the selected values only.
+
+    python -m benchmarks.speed.beam_rows [--vocab 8000] [--beam 4] [--rows 4 16 24] [--threads 1]
+
+For each row count (beam 4: K=1 -> 4 rows, K=4 -> 16, K=6 -> 24) it times, on log-probabilities of random
+scores, ``topk`` against ``top_b`` (checking equal values), and fairseq's full ``isnan`` -> -inf pass (which the
+search makes on a GPU) against the check on the selected values (which it makes on a CPU). Microseconds are the
+best of 5 timed repeats; the ratios are measured in the same run.
+"""
+
+import argparse
+import math
+import time
+
+import torch
+
+from fairseq_ext.sat.generator import top_b
+
+
+def best_us(fn, n: int) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return min(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.speed.beam_rows", description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--rows", type=int, nargs="+", default=[4, 16, 24])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=500)
+    a = p.parse_args(argv)
+    if a.vocab < 1 or a.beam < 1 or a.beam > a.vocab or any(r < 1 for r in a.rows):
+        p.error("--vocab, --beam and --rows must be positive, and --beam at most --vocab")
+    torch.set_num_threads(a.threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"per-row beam work: vocabulary {a.vocab}, beam {a.beam}, {a.threads} thread(s), best of 5 x {a.iters}")
+    print(f"{'rows':>5} {'topk us':>9} {'top_b us':>9} {'x':>6} {'isnan pass us':>14} {'selected check us':>18}")
+    with torch.inference_mode():
+        for R in a.rows:
+            lprobs = torch.log_softmax(torch.randn(R, 1, a.vocab, generator=g) * 3, dim=-1)
+            vals, _ = top_b(lprobs, a.beam)
+            if not torch.equal(vals, lprobs.topk(a.beam, dim=-1).values):
+                raise SystemExit(f"top_b and topk disagree for {R} rows")  # pragma: no cover
+            t_topk = best_us(lambda: lprobs.topk(a.beam, dim=-1), a.iters)
+            t_top_b = best_us(lambda: top_b(lprobs, a.beam), a.iters)
+            eos = lprobs[:, :, 2].clone()
+            t_fill = best_us(lambda: lprobs.masked_fill_(lprobs.isnan(), -math.inf), a.iters)
+            t_check = best_us(lambda: bool(vals.isnan().any()) or bool(eos.isnan().any()), a.iters)
+            print(f"{R:>5} {t_topk:>9.1f} {t_top_b:>9.1f} {t_topk / t_top_b:>5.2f}x {t_fill:>14.1f} {t_check:>18.1f}")
+
+
+if __name__ == "__main__":
+    main()

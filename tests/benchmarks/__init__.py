@@ -1,0 +1,1 @@
+"""Tests of the benchmarks (benchmarks/): their command lines run as python -m from the repository root."""

@@ -1,0 +1,243 @@
+"""python -m benchmarks.claims: the job scheduler (dependency order, resuming, re-running what changed, one-line
+failures) and the report (CLAIMS.md sections replaced per paper, claims.json verdicts, the SAT ratios computed from
+results)."""
+
+import json
+import os
+
+import pytest
+
+from benchmarks.claims import __main__ as claims
+from benchmarks.claims import bert_jam as claims_bert_jam
+from benchmarks.claims import convs2s as claims_convs2s
+from benchmarks.claims import msc as claims_msc
+from benchmarks.claims import report as claims_report
+from benchmarks.claims import sat as claims_sat
+from benchmarks.claims.common import train_summary, update_walls
+from benchmarks.claims.jobs import ClaimsError, Job, Scheduler
+
+
+def _jobs(S, ran, settings_b=1):
+    def make(name):
+        def run(job, S):
+            ran.append(name)
+            return {"value": name + "".join(S.result(d)["value"] for d in job.deps)}
+        return run
+
+    S.add(Job("a", make("a"), {"x": 1}))
+    S.add(Job("b", make("b"), {"x": settings_b}, ["a"]))
+    S.add(Job("c", make("c"), {"x": 1}, ["b"]))
+    S.add(Job("d", make("d"), {"x": 1}, ["a"]))
+
+
+def test_scheduler_runs_in_order_and_resumes_only_what_changed(tmp_path):
+    ran = []
+    S = Scheduler(str(tmp_path), jobs=2, say=lambda m: None)
+    _jobs(S, ran)
+    S.run_all()
+    assert sorted(ran) == ["a", "b", "c", "d"] and ran.index("a") < ran.index("b") < ran.index("c")
+    assert S.result("c")["value"] == "cba" and S.result("c")["ok"]
+    ran.clear()
+    S = Scheduler(str(tmp_path), jobs=2, say=lambda m: None)
+    _jobs(S, ran)
+    S.run_all()
+    assert ran == [] and S.result("c")["value"] == "cba"  # everything finished earlier: read back
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    _jobs(S, ran, settings_b=2)
+    S.run_all(["c"])
+    assert ran == ["b", "c"]  # b's settings changed: b and what depends on it, not a, and d was not asked for
+
+
+def test_a_failed_step_is_one_line_naming_its_log_and_keeps_what_finished(tmp_path):
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    S.add(Job("ok", lambda j, S: {"v": 1}, {}))
+    S.add(Job("bad", lambda j, S: 1 / 0, {}, ["ok"]))
+    with pytest.raises(ClaimsError) as e:
+        S.run_all()
+    assert "bad: ZeroDivisionError" in str(e.value) and "bad.error" in str(e.value) and "\n" not in str(e.value)
+    assert json.load(open(S.result_path("ok")))["ok"] and not os.path.exists(S.result_path("bad"))
+    S2 = Scheduler(str(tmp_path), say=lambda m: None)
+    S2.add(Job("x", lambda j, S: {}, {}, ["missing"]))
+    with pytest.raises(ClaimsError, match="no step named missing"):
+        S2.run_all()
+
+
+def test_report_replaces_one_papers_section_and_keeps_the_others(tmp_path):
+    d = str(tmp_path)
+    claims_report.write(d, "sat", "## SAT\nfirst", {"verdict": "not reproduced", "reason": "r1"})
+    claims_report.write(d, "msc", "## MSC\nonly", {"verdict": "reproduced", "reason": "r2"})
+    claims_report.write(d, "sat", "## SAT\nsecond", {"verdict": "reproduced", "reason": "r3"})
+    md = open(os.path.join(d, "CLAIMS.md")).read()
+    assert md.startswith("# The papers' claims") and "first" not in md and md.count("## SAT\nsecond") == 1
+    assert md.index("## SAT") < md.index("## MSC") and "## MSC\nonly" in md
+    rec = json.load(open(os.path.join(d, "claims.json")))
+    assert (rec["sat"]["verdict"], rec["sat"]["reason"], rec["msc"]["verdict"]) == ("reproduced", "r3", "reproduced")
+    for bad in ({"verdict": "works", "reason": "x"}, {"verdict": "reproduced", "reason": ""}):
+        with pytest.raises(ValueError):
+            claims_report.write(d, "sat", "x", bad)
+    assert json.load(open(os.path.join(d, "claims.json"))) == rec  # a refused record changes nothing
+
+
+def test_the_command_a_report_names_has_the_non_default_flags():
+    args, _ = claims.parse_args(["--paper", "sat", "--sat-ks", "1,2", "--workdir", "/tmp/w", "--jobs", "1"])
+    assert claims_report.command(args, "sat") == "python -m benchmarks.claims --paper sat --jobs 1 --sat-ks 1,2"
+
+
+def _bleu(v):
+    sig = "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"
+    return {f"bleu_{s}_{d}": v for s in ("valid", "test") for d in ("greedy", "beam4")} | {
+        f"bleu_{s}_{d}_signature": sig for s in ("valid", "test") for d in ("greedy", "beam4")}
+
+
+def _sat_report(tmp_path, bleus):
+    """The SAT report from fabricated results: K -> test/valid BLEU of the distilled student."""
+    args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
+                                 "--workdir", str(tmp_path / "w")])
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    students = [f"sat-k{K}" for K in bleus] + ["sat-k2-init-paper", "sat-k2-nokd", "sat-k4-nokd"]
+    for n in students:
+        K = int(n.split("-")[1][1:])
+        S.results[n] = {"updates": 1000 * K, "minutes": 10.0}
+        S.results[f"{n}-eval"] = _bleu(bleus[K] - (2.0 if n.endswith("nokd") else 0.0))
+    S.results["sat-teacher-eval"] = _bleu(20.0)
+    S.results["sat-kd-beam4"] = {"pairs": 100}
+    S.results["sat-speed"] = {"ms": [{"label": lab, "beam": b, "ms": ms * b} for lab, ms in
+                                     [("teacher, fairseq's generator", 60.0), ("teacher, ours", 30.0),
+                                      ("K=1", 24.0), ("K=2", 12.0), ("K=4", 8.0), ("K=6", 6.0)] for b in (1, 4)]}
+    S.results["sat-fig6"] = {"models": [{"label": "SAT K=2", "by_position_in_group": [2.0, 3.0]}]}
+    S.results["sat-repeats"] = {"files": [{"K": K, "repeats_inside_groups": K, "pairs_inside": 100,
+                                           "repeats_across_groups": 1, "pairs_across": 100} for K in bleus]}
+    png = tmp_path / "w" / "sat_position_ce.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    png.write_bytes(b"\x89PNG")
+    ctx = type("Ctx", (), {"S": S, "args": args})()
+    outcome = {"students": students, "init": "decoder", "lr": 0.003, "pilots": {"sat-pilot-decoder-lr0.003": 9.0}}
+    claims_sat.report(ctx, outcome)
+    docs = tmp_path / "docs"
+    return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
+
+
+def test_sat_report_ratios_and_verdict_follow_the_results(tmp_path):
+    rec, md = _sat_report(tmp_path / "miss", {1: 20.0, 2: 18.0, 4: 15.0, 6: 10.0})
+    assert rec["ratio_to_teacher"] == {"2": 0.9, "4": 0.75, "6": 0.5}
+    assert rec["verdict"] == "not reproduced" and "90% / 75% / 50%" in rec["reason"]
+    assert "+2.00 at K = 2" in rec["reason"]  # distilled minus real-target student, valid beam 4
+    assert "| K=2 | 12.0 | 48.0 | 2.00x | 2.00x | 5.00x | 5.00x | 1.51x |" in md
+    assert (tmp_path / "miss" / "docs" / "claims_sat_position_ce.png").exists()
+    rec, _ = _sat_report(tmp_path / "hit", {1: 20.0, 2: 19.6, 4: 18.8, 6: 17.8})
+    assert rec["verdict"] == "reproduced" and rec["ratio_to_teacher"]["6"] == 0.89
+
+
+def test_msc_verdict_follows_the_issue_targets():
+    def bleu(**kw):  # VARIANTDEPTH=BLEU
+        return {(k.rstrip("0123456789"), int(k.lstrip("abcdefghijklmnopqrstuvwxyz"))): v for k, v in kw.items()}
+
+    assert claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21, msc24=21.5), [6, 24])[0] \
+        == "reproduced"  # +0.5 over pre-norm-24, +1.0 over the best 6-layer model
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21.1, msc24=21.5), [6, 24])
+    assert v == "not reproduced" and "MSC 21.50, pre-norm 21.10" in reason
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=21, post24=10, pre24=19, msc24=20.9), [6, 24])
+    assert v == "not testable at this scale" and "msc -0.10" in reason
+
+
+def test_convs2s_verdict_needs_every_control_beaten():
+    assert claims_convs2s.verdict(20.0, 18.0, 19.0, (19.5, 17.0))[0] == "reproduced"
+    v, reason = claims_convs2s.verdict(20.0, 18.0, 20.5, (19.5, 17.0))
+    assert v == "not reproduced" and "multi-step attention: -0.50" in reason and "equal minutes: +2.50" in reason
+    assert claims_convs2s.verdict(20.0, 21.0, 19.0, None)[1].startswith("Not above its control at equal updates")
+
+
+def _bert_jam_report(tmp_path, bleus):
+    """The BERT-JAM report from fabricated results: size -> (test BLEU of the two baselines by dropout, of phases
+    1, 2, 3 and the control); valid BLEU is test + 1, so the baseline with the better test is chosen."""
+    args, _ = claims.parse_args(["--paper", "bert_jam", "--bj-sizes", ",".join(map(str, bleus)),
+                                 "--docs-dir", str(tmp_path / "docs"), "--workdir", str(tmp_path / "w")])
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    outcome = {"sizes": list(bleus), "chains": {}, "bases": {}}
+    for n, (base, phases) in bleus.items():
+        outcome["bases"][n] = [f"bj-{n}-base-d{d}" for d in base]
+        outcome["chains"][n] = [f"bj-{n}-{k}" for k in ("p1", "p2", "p3", "ctrl")]
+        for name, b in [*zip(outcome["bases"][n], base.values()), *zip(outcome["chains"][n], phases)]:
+            S.results[name] = {"updates": 500, "minutes": 5.0, "s_per_update": 0.6, "cache_minutes": 0.0,
+                               "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 8.0 - b / 10}
+            S.results[f"{name}-eval"] = {k: v for k, v in _bleu(b).items() if "greedy" not in k} | {
+                "bleu_valid_beam4": b + 1.0}
+        chosen = max(base, key=base.get)
+        S.results[f"bj-{n}-base-test"] = {"bleu_test_beam4": base[chosen], "chosen": f"bj-{n}-base-d{chosen}",
+                                          "dropout": float(chosen)}
+    S.results["bj-e5"] = {"pruned_vocab_size": 25000, "layers": 12, "hidden": 384}
+    outcome["zeros"] = zeros = f"bj-{min(bleus)}-p1-zeros"  # phase 1 on e5 features set to zero
+    S.results[zeros] = {"updates": 400, "minutes": 4.0, "s_per_update": 0.6, "cache_minutes": 0.0,
+                        "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 7.125}
+    ctx = type("Ctx", (), {"S": S, "args": args})()
+    claims_bert_jam.report(ctx, outcome)
+    docs = tmp_path / "docs"
+    assert (docs / "claims_bert_jam_bleu_by_size.png").read_bytes()[:4] == b"\x89PNG"
+    return json.load(open(docs / "claims.json"))["bert_jam"], (docs / "CLAIMS.md").read_text()
+
+
+def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
+    base = {"0.1": 5.0, "0.3": 6.0}
+    rec, md = _bert_jam_report(tmp_path / "miss", {2000: (base, [7.0, 8.0, 9.5, 8.5]),
+                                                   8000: ({"0.1": 12.0, "0.3": 11.0}, [12.0, 13.0, 14.0, 13.5])})
+    assert rec["gap_test"] == {"2000": 3.5, "8000": 2.0} and rec["phase3_minus_control_test"]["2000"] == 1.0
+    assert rec["verdict"] == "not reproduced" and "Missed at 8000 verses" in rec["reason"]
+    assert rec["not_run"] == [29080] and "29080 verses (target +0.0)" in rec["reason"]
+    assert rec["sizes"]["8000"]["baseline"] == {"dropout": 0.1, "valid_beam4": 13.0, "test_beam4": 12.0,
+                                                "valid_by_dropout": {"0.1": 13.0, "0.3": 12.0}}
+    assert "| Transformer (chosen on valid) | 0.3 | 7.400 | 7.00 | 6.00 | 500 | plateau |" in md
+    assert "| Transformer | 0.1 | 7.500 | 6.00 | - |" in md  # the other dropout is never decoded on test
+    assert "| BERT-JAM phase 3 | 0.3 | 7.050 | 10.50 | 9.50 | 500 | fixed |" in md
+    # the zero-feature ablation: a row at the smallest size and its valid losses beside phase 1's and the baseline's
+    assert "| BERT-JAM phase 1, every e5 feature set to zero | 0.3 | 7.125 | - | - | 400 | plateau |" in md
+    assert "features set to zero, 2000 verses) the best valid loss is 7.125, against 7.300 with e5 and 7.400" \
+        in rec["reason"]
+    assert "alone is -0.275 from the baseline, and e5's features change it by +0.175." in rec["reason"]
+    assert rec["p1_zero_features"] == {"verses": 2000, "valid_loss_best": 7.125, "p1_valid_loss_best": 7.3,
+                                       "baseline_valid_loss_best": 7.4, "updates": 400}
+    rec, _ = _bert_jam_report(tmp_path / "hit", {2000: (base, [7.0, 8.0, 9.0, 8.5]),
+                                                 8000: (base, [7.0, 8.0, 9.0, 8.5]),
+                                                 29080: (base, [5.0, 5.5, 6.0, 6.5])})
+    assert rec["verdict"] == "reproduced" and rec["not_run"] == [] and rec["gap_test"]["29080"] == 0.0
+    rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, [7.0, 8.0, 9.0, 8.5])})
+    assert rec["verdict"] == "not testable at this scale" and rec["not_run"] == [8000, 29080]
+    assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +3.0)" in rec["reason"]
+
+
+def test_update_walls_counts_a_resumed_process_by_its_timestamps(tmp_path):
+    """fairseq logs ``wall`` 0 throughout a process resumed from a checkpoint: the minutes of a cut-and-resumed
+    training are the first process's wall plus the resumed one's time since it logged its configuration."""
+    def inner(ts, updates, wall):
+        return (f"2026-12-03 {ts} | INFO | train_inner | "
+                f'{{"epoch": 1, "update": 1.0, "loss": "5.0", "wps": "100", "num_updates": "{updates}", '
+                f'"wall": "{wall}"}}\n')
+
+    config = "| INFO | fairseq_cli.train | {'_name': None, 'common': {}}\n"
+    log = tmp_path / "train.log"
+    log.write_text("2026-12-03 04:00:00 " + config + inner("04:01:00", 50, 60) + inner("04:02:00", 100, 120)
+                   + "2026-12-03 06:00:00 " + config + inner("06:00:30", 100, 0) + inner("06:01:30", 150, 0))
+    assert update_walls(str(log)) == [(50, 60.0), (100, 120.0), (100, 150.0), (150, 210.0)]
+    assert train_summary(str(log))["train_minutes"] == 3.5
+    # lines without a time: fairseq's walls, a restart found by a smaller wall
+    plain = tmp_path / "plain.log"
+    plain.write_text("".join(x.split(" ", 2)[2] for x in (inner("00:00:00", 50, 60), inner("00:00:00", 100, 30))))
+    assert update_walls(str(plain)) == [(50, 60.0), (100, 90.0)]
+
+
+def test_convs2s_figure_plots_valid_loss_by_update_and_by_minute(tmp_path):
+    """The ConvS2S figure reads each training's log: its valid-loss curve and the minutes of each update."""
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    labels = {"convs2s-fconv": "fconv", "convs2s-lstm": "lstm"}
+    for name, per_update in (("convs2s-fconv", 1), ("convs2s-lstm", 3)):
+        S.results[name] = {"updates": 200, "minutes": 1.0}
+        lines = ["2026-12-03 04:00:00 | INFO | fairseq_cli.train | {'_name': None}\n"]
+        for u in (100, 200):
+            lines.append(f'2026-12-03 04:00:00 | INFO | train_inner | {{"loss": "5.0", "wps": "100", '
+                         f'"num_updates": "{u}", "wall": "{u * per_update}"}}\n')
+            lines.append(f'2026-12-03 04:00:00 | INFO | valid | {{"valid_loss": "{9 - u / 100}", '
+                         f'"valid_num_updates": "{u}"}}\n')
+        open(S.log(name, "train.log"), "w").writelines(lines)
+    png = tmp_path / "fig.png"
+    claims_convs2s.plot(S, labels, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert claims_convs2s.trained(S, "convs2s-lstm")["valid_curve"] == [(100, 8.0), (200, 7.0)]
