@@ -87,7 +87,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="the quickstart's --smoke (20 updates) and a bounded valid "
                    "decode: a fast check of every step, used by the tests")
     args = p.parse_args(argv)
-    from fairseq_ext.release import public_text
+    from fairseq_ext.checkpoints.release import public_text
 
     # fairseq-generate and sacrebleu of this Python's environment, activated or not
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
@@ -115,7 +115,7 @@ def main(argv=None):
         env["SAT_K"] = str(args.sat_k)
         teacher = os.path.join(release_dir, "transformer.pt")
         if os.path.isfile(teacher):
-            from fairseq_ext.release import verify
+            from fairseq_ext.checkpoints.release import verify
 
             env["SAT_TEACHER"] = verify(release_dir, "transformer")
     wall0, cpu0 = time.time(), cpu_seconds()

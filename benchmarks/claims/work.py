@@ -93,8 +93,8 @@ def evaluate(ckpt, bin_dir, src, tgt, refs, decodes, out_dir, batch=64, task=Non
 def average(ckpt_dir, output, last=3):
     """Averages the ``last`` newest interval checkpoints (checkpoint_E_U.pt) of a training, or its epoch
     checkpoints when it saved none; returns which."""
-    from fairseq_ext import checkpoint_io
-    from fairseq_ext.average_checkpoints import average_checkpoints
+    from fairseq_ext import checkpoints
+    from fairseq_ext.checkpoints.average import average_checkpoints
 
     found = []
     for p in glob.glob(os.path.join(ckpt_dir, "checkpoint_*_*.pt")):
@@ -108,7 +108,7 @@ def average(ckpt_dir, output, last=3):
                 found.append((int(m.group(1)), p))
     found.sort()
     paths = [p for _, p in found[-last:]] or [os.path.join(ckpt_dir, "checkpoint_last.pt")]
-    checkpoint_io.atomic_torch_save(average_checkpoints(paths), output)
+    checkpoints.atomic_torch_save(average_checkpoints(paths), output)
     return {"averaged": [os.path.basename(p) for p in paths]}
 
 

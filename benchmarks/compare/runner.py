@@ -53,11 +53,11 @@ def _module_main(module, argv):
 def _average(ckpt_dir, output):
     """Average the newest two epoch checkpoints and checkpoint_last (when it is newer), as the quickstart's
     averaging but without dropping the updates of a last, unfinished epoch."""
-    from fairseq_ext import checkpoint_io
-    from fairseq_ext.average_checkpoints import average_checkpoints
+    from fairseq_ext import checkpoints
+    from fairseq_ext.checkpoints.average import average_checkpoints
 
     def updates(path):
-        return checkpoint_io.load_checkpoint_file(path)["optimizer_history"][-1]["num_updates"]
+        return checkpoints.load_checkpoint_file(path)["optimizer_history"][-1]["num_updates"]
 
     epochs = sorted((int(m.group(1)), n) for n in os.listdir(ckpt_dir)
                     if (m := re.fullmatch(r"checkpoint(\d+)\.pt", n)))
@@ -65,7 +65,7 @@ def _average(ckpt_dir, output):
     last = os.path.join(ckpt_dir, "checkpoint_last.pt")
     if not paths or updates(last) != updates(paths[-1]):
         paths.append(last)
-    checkpoint_io.atomic_torch_save(average_checkpoints(paths), output)
+    checkpoints.atomic_torch_save(average_checkpoints(paths), output)
     return {"averaged": [os.path.basename(p) for p in paths]}
 
 

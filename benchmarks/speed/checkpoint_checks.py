@@ -2,11 +2,11 @@
 each release checkpoint (or the files given), the best of --repeat times of
 
 * ``torch.load`` with ``weights_only=True`` and the loader's allow-list;
-* the check of the config strings fairseq would run (:func:`fairseq_ext.checkpoint_io.check_config`; with the two
+* the check of the config strings fairseq would run (:func:`fairseq_ext.checkpoints.check_config`; with the two
   above, what the loader did before the checks of the next two lines);
-* the zip records' CRC-32s (:func:`fairseq_ext.checkpoint_checks.verify_zip`, ``zipfile.ZipFile.testzip``);
-* the finiteness of the weights (:func:`fairseq_ext.checkpoint_checks.non_finite_weight`);
-* the whole safe load (:func:`fairseq_ext.checkpoint_io.load_checkpoint_file`: CRCs, unpickling, config strings,
+* the zip records' CRC-32s (:func:`fairseq_ext.checkpoints.checks.verify_zip`, ``zipfile.ZipFile.testzip``);
+* the finiteness of the weights (:func:`fairseq_ext.checkpoints.checks.non_finite_weight`);
+* the whole safe load (:func:`fairseq_ext.checkpoints.load_checkpoint_file`: CRCs, unpickling, config strings,
   weights, meters),
 
 with the CRC and finiteness checks over the plain ``torch.load`` and the whole load over it as ratios measured in
@@ -45,8 +45,8 @@ def main():
     torch.set_num_threads(args.threads)
 
     import fairseq_ext  # noqa: F401  (installs the safe loader)
-    from fairseq_ext import checkpoint_io
-    from fairseq_ext.checkpoint_checks import non_finite_weight, verify_zip
+    from fairseq_ext import checkpoints
+    from fairseq_ext.checkpoints.checks import non_finite_weight, verify_zip
 
     paths = args.checkpoints or sorted(glob.glob(os.path.join(ROOT, "releases", "*", "*.pt")))
     print(f"{'checkpoint':44s} {'MB':>5s} {'torch.load':>10s} {'config':>7s} {'CRCs':>7s} {'finite':>7s} "
@@ -56,15 +56,15 @@ def main():
             f.read()  # into the page cache
 
         def plain():
-            with torch.serialization.safe_globals(checkpoint_io.SAFE_GLOBALS):
+            with torch.serialization.safe_globals(checkpoints.SAFE_GLOBALS):
                 return torch.load(path, map_location="cpu", weights_only=True)
 
         state = plain()
         t_plain = best(plain, args.repeat)
-        t_config = best(lambda: checkpoint_io.check_config(state, path), args.repeat)
+        t_config = best(lambda: checkpoints.check_config(state, path), args.repeat)
         t_crc = best(lambda: verify_zip(path, path), args.repeat)
         t_finite = best(lambda: non_finite_weight(state), args.repeat)
-        t_safe = best(lambda: checkpoint_io.load_checkpoint_file(path), args.repeat)
+        t_safe = best(lambda: checkpoints.load_checkpoint_file(path), args.repeat)
         name = os.path.relpath(path, ROOT) if path.startswith(ROOT) else path
         print(f"{name:44s} {os.path.getsize(path) / 1e6:5.1f} {t_plain * 1e3:10.1f} {t_config * 1e3:7.1f} "
               f"{t_crc * 1e3:7.1f} {t_finite * 1e3:7.1f} {t_safe * 1e3:10.1f} {(t_crc + t_finite) / t_plain:9.2f} "

@@ -161,10 +161,10 @@ def ct2_convert(checkpoint, data_dir, out_dir, args):
         return None
     import torch
 
-    from fairseq_ext import checkpoint_io
+    from fairseq_ext import checkpoints
 
     try:  # the converter loads with weights_only=True: allow what fairseq checkpoints hold (as fairseq_ext does)
-        with torch.serialization.safe_globals(checkpoint_io.SAFE_GLOBALS or []):
+        with torch.serialization.safe_globals(checkpoints.SAFE_GLOBALS):
             FairseqConverter(checkpoint, data_dir, source_lang=args.source_lang, target_lang=args.target_lang
                              ).convert(out_dir, force=True)
     except Exception as e:  # an anchor, not the subject: report and go on

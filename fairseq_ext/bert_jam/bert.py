@@ -23,7 +23,7 @@ from typing import List
 import torch
 from fairseq.data import data_utils
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 

@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 from fairseq_ext.bert_jam.e5_format import EMB_TENSORS, LAYER_TENSORS, expected_tensors, read_e5s1
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 METASPACE = "\u2581"
 PREFIXES = ("passage: ", "query: ")  # what the e5 engine puts before a text

@@ -20,7 +20,7 @@ import struct
 
 import numpy as np
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 MAGIC = b"E5S1"
 VERSION = 1

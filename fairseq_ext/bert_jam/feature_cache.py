@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 

@@ -56,9 +56,9 @@ from fairseq_ext.bert_jam.bert import (
     leave_out_frozen_bert,
     refill_frozen_bert,
 )
-from fairseq_ext.building import building_from_checkpoint
-from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.decoder_features import decoder_output, embed_decoder_input, newest_positions
+from fairseq_ext.common.building import building_from_checkpoint
+from fairseq_ext.common.errors import FairseqExtError
+from fairseq_ext.common.decoder_features import decoder_output, embed_decoder_input, newest_positions
 
 logger = logging.getLogger(__name__)
 
@@ -599,7 +599,7 @@ class BertJamModel(TransformerModel):
         meta = input_settings(builder.meta())
         saved = getattr(args, "bert_input_meta", None)
         if from_checkpoint and saved:
-            check_input_settings(saved, meta, f"the BERT input settings saved in the checkpoint",
+            check_input_settings(saved, meta, "the BERT input settings saved in the checkpoint",
                                  f"what --bert-model-name {name} gives now")
         args.bert_input_meta = meta
         decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)

@@ -63,7 +63,7 @@ def main(argv=None):
     args = get_parser().parse_args(argv)
     from fairseq.data import Dictionary, data_utils, indexed_dataset
 
-    from fairseq_ext.errors import FairseqExtError
+    from fairseq_ext.common.errors import FairseqExtError
     from fairseq_ext.bert_jam.bert import BertInputBuilder
     from fairseq_ext.bert_jam.task import META_NAME, bert_input_prefix
 

@@ -31,8 +31,8 @@ from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
 from fairseq_ext.bert_jam.bert import check_input_settings, check_prepared_input_fits, collate_bert, input_settings
-from fairseq_ext.building import RecordsCheckpointBuild
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.building import RecordsCheckpointBuild
+from fairseq_ext.common.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class TranslationBertTask(RecordsCheckpointBuild, TranslationTask):
 
     cfg: TranslationBertConfig
     # fairseq-train --restore-file PREV.pt --reset-optimizer (the next BERT-JAM phase) continues the update counter
-    # and the LR schedule (fairseq_ext.fairseq_fixes.fix_reset_optimizer_restarts_schedule)
+    # and the LR schedule (fairseq_ext.common.fairseq_fixes.fix_reset_optimizer_restarts_schedule)
     continues_schedule_after_reset_optimizer = True
 
     def __init__(self, cfg, src_dict, tgt_dict):

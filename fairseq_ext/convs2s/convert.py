@@ -18,9 +18,9 @@ import sys
 
 import torch
 
-from fairseq_ext.checkpoint_io import atomic_torch_save, load_checkpoint_file
+from fairseq_ext.checkpoints import atomic_torch_save, load_checkpoint_file
 from fairseq_ext.convs2s.model import upgrade_fconv_state_dict
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 _FCONV_TO_GLU = {
     "fconv": "fconv_glu",

@@ -48,7 +48,7 @@ from fairseq.models import (
 )
 from fairseq.modules import BeamableMM, FairseqDropout, GradMultiply, LearnedPositionalEmbedding
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.convs2s.layers import CausalConvTBC, WNConvTBC, WNLinear
 
 SQRT_HALF = math.sqrt(0.5)

@@ -62,8 +62,8 @@ with warnings.catch_warnings():  # torch.ao announces its move to torchao
     warnings.simplefilter("ignore")
     from torch.ao.nn.quantized.dynamic import Linear as _DynamicQuantizedLinear
 
-from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
+from fairseq_ext.common.errors import FairseqExtError
 
 STATE_KEY = "fairseq_ext.lean_decoder"
 CACHE_BLOCK = 64  # positions a key/value cache grows by (the lean step's and the lean encoder's)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import attention_refusal, feed_forward, mix_in, needs_autograd, self_attention
 
 

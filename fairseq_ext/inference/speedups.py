@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear, int8_weight_rows, lean_decoder
 from fairseq_ext.inference.lean_encoder import lean_encoder
 

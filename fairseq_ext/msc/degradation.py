@@ -31,7 +31,7 @@ import shlex
 import subprocess
 import sys
 
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 
 def train_command(args, variant, depth, save_dir):
@@ -130,7 +130,7 @@ def score_checkpoints(args):
             variants.append(variant)
         train_bleu, n = sample_bleu(path, args, "train", args.sample, args.seed)
         valid_bleu, _ = sample_bleu(path, args, "valid", args.sample, args.seed)
-        from fairseq_ext.checkpoint_io import load_checkpoint_file
+        from fairseq_ext.checkpoints import load_checkpoint_file
 
         state = load_checkpoint_file(path)
         params = sum(v.numel() for v in state["model"].values() if hasattr(v, "numel"))

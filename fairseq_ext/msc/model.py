@@ -72,8 +72,8 @@ from fairseq.modules import LayerNorm, MultiheadAttention
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase, TransformerEncoderLayerBase
 
-from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.decoder_features import decoder_output, embed_decoder_input, newest_positions
+from fairseq_ext.common.errors import FairseqExtError
+from fairseq_ext.common.decoder_features import decoder_output, embed_decoder_input, newest_positions
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 _KEY = re.compile(r"^gnorm_enc_L(\d+)$")
 _SIMPLE = re.compile(r"(gnorm_enc_L\d+|num_updates)[=\s]+([-+0-9.eE]+|nan|inf)")

@@ -19,7 +19,7 @@ import argparse
 import os
 import sys
 
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 
 def read_hypotheses(path):

@@ -38,7 +38,7 @@ from fairseq.sequence_generator import (
     SequenceGeneratorWithAlignment,
 )
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_refusal,
                                                lean_step, only_lean_state, reorder_lean_state)
 from fairseq_ext.sat.group_step import GroupStep

@@ -40,9 +40,9 @@ from fairseq.models.transformer.transformer_legacy import (
     transformer_vaswani_wmt_en_de_big,
 )
 
-from fairseq_ext.building import building_from_checkpoint
-from fairseq_ext.errors import FairseqExtError
-from fairseq_ext.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
+from fairseq_ext.common.building import building_from_checkpoint
+from fairseq_ext.common.errors import FairseqExtError
+from fairseq_ext.common.decoder_features import cached_length, decoder_output, embed_decoder_input, new_positions
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class SATModel(TransformerModel):
             for p in model.encoder.parameters():  # fairseq's optimizer takes the parameters that require grad
                 p.requires_grad_(False)
         if init_from:
-            # only a new training is initialised: not a model rebuilt from its checkpoint (fairseq_ext.building)
+            # only a new training is initialised: not a model rebuilt from its checkpoint (fairseq_ext.common.building)
             # nor a training that fairseq-train is about to restore from a checkpoint
             if not building_from_checkpoint() and not _train_will_restore(args):
                 model.init_from_transformer(init_from, include_decoder=getattr(args, "sat_init_decoder", False))

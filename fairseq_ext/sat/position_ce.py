@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from fairseq_ext.errors import FairseqExtError, command
+from fairseq_ext.common.errors import FairseqExtError, command
 
 
 def parse_args(argv=None):

@@ -46,7 +46,7 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerDecoderBase
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import cut_back, float32_on_cpu, reorder_rows_state, rows_refusal, rows_step
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, group_size

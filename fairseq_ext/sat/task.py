@@ -27,9 +27,9 @@ from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from fairseq_ext.building import RecordsCheckpointBuild
-from fairseq_ext.checkpoint_io import checkpoint_of
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.building import RecordsCheckpointBuild
+from fairseq_ext.common.building import checkpoint_of
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.speculative import MAX_BATCH, build_speculative

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 import fairseq_ext.inference.speedups as inference_module
 from fairseq_ext.inference.speedups import Int8RowsLinear, quantize_decoder, quantize_encoder
 from fairseq_ext.sat.generator import SATSequenceGenerator

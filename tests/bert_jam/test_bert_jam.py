@@ -1,7 +1,6 @@
 """Unit behaviour of bert_jam (BERT-JAM) on a tiny random BertConfig with a vocab written here (no hub)."""
 
 import argparse
-import logging
 import os
 
 import pytest
@@ -11,7 +10,7 @@ import fairseq_ext  # noqa: F401  (registration)
 from fairseq.data import Dictionary
 from fairseq.modules import MultiheadAttention
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.bert_jam.model import (
     BertJamModel,
     BertLayerComposition,

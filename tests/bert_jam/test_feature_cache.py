@@ -16,7 +16,7 @@ import torch
 import fairseq_ext  # noqa: F401  (registration)
 from fairseq_ext.bert_jam import feature_cache
 from fairseq_ext.bert_jam.task import TranslationBertConfig, TranslationBertTask
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from tests.builders import TINY_BERT_LAYERS, write_tiny_bert
 from tests.helpers import assert_close, create_dummy_data
 
@@ -32,7 +32,6 @@ def _binarise(d, seed):
     from fairseq import options
     from fairseq_cli import preprocess
 
-    from fairseq_ext.bert_jam import prepare
 
     create_dummy_data(d, num_examples=20, maxlen=8, seed=seed)
     preprocess.main(options.get_preprocessing_parser().parse_args([

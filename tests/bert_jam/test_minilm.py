@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401
-from fairseq_ext.checkpoint_io import load_checkpoint_file
+from fairseq_ext.checkpoints import load_checkpoint_file
 from fairseq_ext.bert_jam import prepare as bert_prepare
 from tests.helpers import ROOT, hypotheses, run_cli, train_args
 

@@ -12,7 +12,7 @@ import torch
 
 import fairseq_ext  # noqa: F401  (registration, safe checkpoint loading)
 from fairseq.models import ARCH_MODEL_REGISTRY
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.convs2s.model import FConvGluModel, upgrade_fconv_state_dict
 from tests.builders import FCONV_ODD_SPEC as ODD_SPEC
 from tests.builders import FconvTask as _Task
@@ -318,7 +318,7 @@ def trained(data_dir):
 
 def _sources(gen):
     ids = sorted(int(i) for i in re.findall(r"^S-(\d+)\t", gen, re.M))
-    assert ids == list(range(100))  # every valid sentence (fairseq_ext.fairseq_fixes keeps fairseq's last batch)
+    assert ids == list(range(100))  # every valid sentence (fairseq_ext.common.fairseq_fixes keeps fairseq's last batch)
     return ids
 
 
@@ -391,7 +391,7 @@ def test_beam_hypotheses_equal_fairseq_fconv(data_dir, tmp_path):
     ours_ckpt = os.path.join(d, "converted.pt")
     out = run_module("fairseq_ext.convs2s.convert", ["--convert-from-fconv", ref_ckpt, ours_ckpt]).stdout
     assert "wrote" in out
-    from fairseq_ext.checkpoint_io import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
+    from fairseq_ext.checkpoints import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
 
     state = load_checkpoint_file(ours_ckpt)
     assert state["cfg"]["model"].arch == ARCH

@@ -14,8 +14,8 @@ import zipfile
 import pytest
 
 import fairseq_ext  # noqa: F401  (installs the hub's archive loader)
-from fairseq_ext import archives
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.checkpoints import archives
+from fairseq_ext.common.errors import FairseqExtError
 from tests.helpers import ROOT, assert_one_line_error
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")

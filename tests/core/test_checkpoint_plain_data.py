@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401
-from fairseq_ext.checkpoint_io import ConfigConversionError, UnsafeCheckpointError, load_checkpoint_file
+from fairseq_ext.checkpoints import ConfigConversionError, UnsafeCheckpointError, load_checkpoint_file
 from tests.conftest import TINY_TRANSFORMER
 from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli, train_args
 
@@ -184,7 +184,7 @@ def test_other_objects_outside_the_config_are_refused(release_state, tmp_path):
 def test_the_meters_check_looks_into_any_mapping():
     from omegaconf import OmegaConf
 
-    from fairseq_ext.checkpoint_checks import metrics_problem
+    from fairseq_ext.checkpoints.checks import metrics_problem
 
     state = {"extra_state": OmegaConf.create({"metrics": {"train": [[10, "loss", "OrderedDict", {}]]}})}
     assert metrics_problem(state) is not None

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401
-from fairseq_ext import checkpoint_io
-from fairseq_ext.checkpoint_io import UnsafeCheckpointError, load_checkpoint_file
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext import checkpoints
+from fairseq_ext.checkpoints import UnsafeCheckpointError, load_checkpoint_file
+from fairseq_ext.common.errors import FairseqExtError
 from tests.builders import write_tiny_bert
 from tests.conftest import TINY_TRANSFORMER
 from tests.helpers import ROOT, USER_DIR, run_cli, run_module, train_args
@@ -238,7 +238,7 @@ def test_a_config_sharing_one_list_many_times_is_checked_quickly(genuine, tmp_pa
     state["cfg"]["task"]["adam_betas"] = "[(8, 1)] * 100000000"  # found after the walk through cfg.model
     start = time.perf_counter()
     with pytest.raises(UnsafeCheckpointError, match=r"cfg\.task\.adam_betas"):
-        checkpoint_io.check_config(state, "c.pt")
+        checkpoints.check_config(state, "c.pt")
     assert time.perf_counter() - start < 5
 
 
@@ -256,13 +256,13 @@ def test_a_config_sharing_one_list_many_times_is_checked_quickly(genuine, tmp_pa
 ])
 def test_eval_fields_must_be_small_literals(spec, reason):
     with pytest.raises(ValueError, match=reason):
-        checkpoint_io.literal_value(spec)
+        checkpoints.literal_value(spec)
 
 
 def test_literal_values_are_what_eval_gives():
     for text in ("[(512, 3)] * 9 + [(1024, 3)] * 4", "(0.9, 0.98)", "10000,50000", "True", "None", "-1e-8",
                  "{'a': [1, 2], 'b': (3,)}", "'ab' * 3", " [1]", "[(8, 1)] * 1000"):
-        assert checkpoint_io.literal_value(text) == eval(text.lstrip()), text
+        assert checkpoints.literal_value(text) == eval(text.lstrip()), text
 
 
 def test_huge_layer_spec_from_a_checkpoint_is_refused_quickly(genuine, tmp_path):
@@ -311,7 +311,7 @@ def test_a_fairseq_that_loads_without_our_loader_is_refused(genuine, tmp_path, m
 
     path = _save(tmp_path, genuine)
     monkeypatch.setattr(checkpoint_utils, "torch", torch)  # a fairseq whose load_checkpoint_to_cpu bypasses us
-    with torch.serialization.safe_globals(checkpoint_io.SAFE_GLOBALS):
+    with torch.serialization.safe_globals(checkpoints.SAFE_GLOBALS):
         with pytest.raises(UnsafeCheckpointError, match=r"refusing checkpoint .*c\.pt: fairseq .* read it without "
                                                         r"fairseq_ext's safe loader"):
             checkpoint_utils.load_checkpoint_to_cpu(path)
@@ -341,7 +341,7 @@ def test_genuine_checkpoints_need_no_enum_on_the_allow_list(tiny_transformer_dir
     """fairseq writes ChoiceEnum values as strings: a genuine checkpoint names only these globals."""
     names = set(torch.serialization.get_unsafe_globals_in_checkpoint(
         os.path.join(tiny_transformer_dir, "checkpoint_last.pt")))
-    allowed = {f"{g.__module__}.{g.__qualname__}" for g in checkpoint_io.SAFE_GLOBALS}
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in checkpoints.SAFE_GLOBALS}
     assert names <= allowed and "argparse.Namespace" in names, names - allowed
     assert not any(n.startswith("fairseq.") for n in allowed)
 

@@ -10,8 +10,8 @@ import shutil
 import pytest
 import torch
 
-from fairseq_ext import average_checkpoints as avg
-from fairseq_ext import checkpoint_io
+from fairseq_ext.checkpoints import average as avg
+from fairseq_ext import checkpoints
 from tests.helpers import USER_DIR, run_cli, run_module
 
 
@@ -57,7 +57,7 @@ def test_torch_load_keeps_weights_only_after_importing_the_plugin(tmp_path):
         torch.load(tmp_path / "evil.pt")
     with open(tmp_path / "evil.pt", "rb") as f, pytest.raises(pickle.UnpicklingError, match="system"):
         checkpoint_utils.torch.load(f, map_location="cpu", weights_only=False)  # as fairseq main calls it
-    with pytest.raises(checkpoint_io.UnsafeCheckpointError, match="refusing to load checkpoint .*evil.pt"):
+    with pytest.raises(checkpoints.UnsafeCheckpointError, match="refusing to load checkpoint .*evil.pt"):
         checkpoint_utils.load_checkpoint_to_cpu(str(tmp_path / "evil.pt"))
     assert not marker.exists()
     release = os.path.join(os.path.dirname(USER_DIR), "releases", "bible-de-en", "transformer.pt")
@@ -69,7 +69,7 @@ def test_real_checkpoint_loads_with_weights_only(tiny_transformer_dir):
     from fairseq import checkpoint_utils
 
     path = os.path.join(tiny_transformer_dir, "checkpoint_last.pt")
-    state = checkpoint_io.load_checkpoint_file(path)  # weights_only=True with the allow-list
+    state = checkpoints.load_checkpoint_file(path)  # weights_only=True with the allow-list
     assert isinstance(state["cfg"]["model"], argparse.Namespace)  # fairseq stores legacy model args so
     state = checkpoint_utils.load_checkpoint_to_cpu(path)
     assert "model" in state and state["cfg"]["model"].arch == "transformer_iwslt_de_en"
@@ -81,17 +81,17 @@ def test_malicious_checkpoint_is_refused_in_process(tmp_path):
     torch.save({"model": {}, "args": _Exploit(marker)}, path)
     from fairseq import checkpoint_utils
 
-    with pytest.raises(checkpoint_io.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
+    with pytest.raises(checkpoints.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
-    with pytest.raises(checkpoint_io.UnsafeCheckpointError):
-        checkpoint_io.load_checkpoint_file(str(path))
+    with pytest.raises(checkpoints.UnsafeCheckpointError):
+        checkpoints.load_checkpoint_file(str(path))
     assert not marker.exists()
 
 
 def test_malicious_checkpoint_is_refused_by_fairseq_generate(tiny_transformer_dir, tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "evil.pt"
-    state = checkpoint_io.load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
+    state = checkpoints.load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
     state["extra_state"]["payload"] = _Exploit(marker)
     torch.save(state, path)
     proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
@@ -104,8 +104,8 @@ def test_damaged_checkpoint_gives_one_clear_line(tiny_transformer_dir, tmp_path,
     path = tmp_path / f"{damage}.pt"
     data = open(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"), "rb").read()
     path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"\x00not a checkpoint" * 100)
-    with pytest.raises(checkpoint_io.CorruptCheckpointError, match="is truncated or corrupted, or not a checkpoint"):
-        checkpoint_io.load_checkpoint_file(str(path))
+    with pytest.raises(checkpoints.CorruptCheckpointError, match="is truncated or corrupted, or not a checkpoint"):
+        checkpoints.load_checkpoint_file(str(path))
     if damage == "truncated":
         proc = run_cli("generate", _generate_args(tiny_transformer_dir, str(path)), check=False)
         _assert_one_line_error(proc, "is truncated or corrupted", str(path))
@@ -140,7 +140,7 @@ def test_broadcast_checkpoint_state_loads_on_other_ranks(tiny_transformer_dir):
 
     from fairseq.distributed import utils as distributed_utils
 
-    state = checkpoint_io.load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
+    state = checkpoints.load_checkpoint_file(os.path.join(tiny_transformer_dir, "checkpoint_last.pt"))
     tensors = []
     buffer = io.BytesIO()
     torch.save(distributed_utils._split_tensors_from_obj(state, tensors), buffer)
@@ -220,7 +220,7 @@ def test_average_is_the_exact_elementwise_mean(tmp_path):
     states = dict(zip(names, _fake_checkpoints(tmp_path, names)))
     out = tmp_path / "avg.pt"
     assert avg.main(["--inputs", str(tmp_path), "--num-epoch-checkpoints", "3", "--output", str(out)]) == 0
-    got = checkpoint_io.load_checkpoint_file(str(out))
+    got = checkpoints.load_checkpoint_file(str(out))
     chosen = [states["checkpoint10.pt"], states["checkpoint3.pt"], states["checkpoint2.pt"]]  # newest 3 epochs
     expected = _expected_mean(chosen)
     for k in expected:
@@ -235,7 +235,7 @@ def test_average_by_update_and_upper_bound_through_the_cli(tmp_path):
     out = tmp_path / "avg.pt"
     run_module("fairseq_ext.average_checkpoints", ["--inputs", tmp_path, "--num-update-checkpoints", "2",
                                                    "--checkpoint-upper-bound", "300", "--output", out])
-    got = checkpoint_io.load_checkpoint_file(str(out))["model"]
+    got = checkpoints.load_checkpoint_file(str(out))["model"]
     expected = _expected_mean([states["checkpoint_2_300.pt"], states["checkpoint_1_200.pt"]])
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 

@@ -8,10 +8,10 @@
 * A run killed with SIGKILL right after a checkpoint in the middle of epoch 2 and resumed with ``--restore-file
   checkpoint_last.pt`` replays the same batches with the same losses (bit for bit, dropout 0.1) into epoch 3
   and ends with the same parameters, optimizer and iterator state as an uninterrupted run (this needs
-  fairseq_ext.fairseq_fixes' fix of the batches of a resumed run, see docs/RELIABILITY.md).
+  fairseq_ext.common.fairseq_fixes' fix of the batches of a resumed run, see docs/RELIABILITY.md).
 * A kill inside the write of a checkpoint, or inside fairseq's copy of it to ``checkpoint_last.pt``, leaves the
   previous ``checkpoint_last.pt`` byte for byte and loadable.
-* ``python -m fairseq_ext.long_run_check`` in its smallest mode.
+* ``python -m fairseq_ext.checkpoints.long_run_check`` in its smallest mode.
 
 Every training is the real ``fairseq-train`` entry point (``fairseq_cli.train.cli_main``) in its own process,
 with ``--user-dir fairseq_ext``. To stay within the test budget on 2 cores, the processes are forked from one
@@ -287,7 +287,7 @@ def json_log(path):
 
 
 def load(path):
-    from fairseq_ext.checkpoint_io import load_checkpoint_file
+    from fairseq_ext.checkpoints import load_checkpoint_file
 
     return load_checkpoint_file(path)
 
@@ -453,7 +453,7 @@ def _tensors(obj):
 @pytest.mark.parametrize("where", ["pause_in_write", "pause_in_copy"])
 def test_kill_during_a_save_leaves_the_previous_checkpoint(server, data, tmp_path, where):
     """A checkpoint every update. Kill while checkpoint_1_2.pt is half written (fairseq writes it to .tmp, then
-    renames it) or while fairseq copies it to checkpoint_last.pt (fairseq_ext.checkpoint_io makes that copy atomic):
+    renames it) or while fairseq copies it to checkpoint_last.pt (fairseq_ext.checkpoints makes that copy atomic):
     checkpoint_last.pt is still the update-1 checkpoint, byte for byte, and loads; resuming from it ends with
     the uninterrupted run's model."""
     name = "transformer"
@@ -485,7 +485,7 @@ def test_kill_during_a_save_leaves_the_previous_checkpoint(server, data, tmp_pat
 # ------------------------------------------------------------------------------------------------------
 
 def test_long_run_check_small_mode(data, tmp_path):
-    out = run_module("fairseq_ext.long_run_check", [
+    out = run_module("fairseq_ext.checkpoints.long_run_check", [
         "--arch", "transformer", "--data", data["dir"], "--source-lang", "in", "--target-lang", "out",
         "--tiny", "--minutes", "0.05", "--kills", "1", "--kill-every", "0.3", "--workdir", str(tmp_path),
         "--save-interval-updates", "2",

@@ -1,4 +1,4 @@
-"""fairseq_ext.fairseq_fixes: each fix changes exactly what it says and nothing else.
+"""fairseq_ext.common.fairseq_fixes: each fix changes exactly what it says and nothing else.
 
 The resume fix (``fix_resume_rebuilds_batches_with_epoch_seed``) only changes the train iterator that
 ``checkpoint_utils.load_checkpoint`` restores, and only for datasets whose epoch-1 batches an uninterrupted run
@@ -143,11 +143,11 @@ def test_fixes_are_applied_only_to_the_checked_fairseq_versions(version, applied
     and a warning names them (installing on the checked version again is a no-op: every fix is idempotent)."""
     import fairseq
 
-    from fairseq_ext import fairseq_fixes
+    from fairseq_ext.common import fairseq_fixes
 
     before = (FairseqTask.get_batch_iterator, data_utils.batch_by_size, checkpoint_utils.load_checkpoint)
     monkeypatch.setattr(fairseq, "__version__", version)
-    with caplog.at_level("WARNING", logger="fairseq_ext.fairseq_fixes"):
+    with caplog.at_level("WARNING", logger="fairseq_ext.common.fairseq_fixes"):
         names = fairseq_fixes.install()
     assert bool(names) == applied
     assert (FairseqTask.get_batch_iterator, data_utils.batch_by_size, checkpoint_utils.load_checkpoint) == before

@@ -25,7 +25,7 @@ def test_license_and_notice():
     assert license_text.startswith("MIT License") and 'license="MIT"' in setup
     # fairseq's MIT notice, and the files derived from fairseq named
     assert "Copyright (c) Facebook, Inc. and its affiliates." in notice and "Permission is hereby granted" in notice
-    for path in ("fairseq_ext/convs2s/model.py", "fairseq_ext/convs2s/layers.py", "fairseq_ext/decoder_features.py"):
+    for path in ("fairseq_ext/convs2s/model.py", "fairseq_ext/convs2s/layers.py", "fairseq_ext/common/decoder_features.py"):
         assert path in notice and os.path.isfile(os.path.join(ROOT, path)), path
     # the bundled corpus keeps its GPL notice
     assert "GNU General Public License, version 2 or later" in notice
@@ -66,8 +66,9 @@ def test_wheel_metadata_and_contents(wheel):
     assert tops == {"fairseq_ext", "fairseq_ext-0.1.0.dist-info"}  # no tools/, tests/, data/
     for sub in SUBPACKAGES:
         assert f"fairseq_ext/{sub}/__init__.py" in names and f"fairseq_ext/{sub}/model.py" in names, sub
-    for f in ("__init__.py", "__main__.py", "errors.py", "checkpoint_io.py", "fairseq_fixes.py",
-              "average_checkpoints.py", "decoder_features.py", "building.py", "sat/generator.py",
+    for f in ("__init__.py", "__main__.py", "release.py", "average_checkpoints.py", "common/errors.py",
+              "common/fairseq_fixes.py", "common/decoder_features.py", "common/building.py",
+              "checkpoints/loading.py", "checkpoints/release.py", "checkpoints/average.py", "sat/generator.py",
               "sat/group_step.py", "inference/lean_decoder.py", "inference/speedups.py"):
         assert f"fairseq_ext/{f}" in names, f
     assert not [n for n in names if n.endswith((".c", ".cpp", ".so"))]  # no native code

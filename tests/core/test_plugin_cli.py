@@ -88,18 +88,24 @@ def _package_imports():
                     if n.level:  # relative: from the package, n.level - 1 levels up
                         parts = package.split(".")
                         base = ".".join(parts[: len(parts) - n.level + 1] + ([base] if base else []))
-                    found.update(f"{base}.{a.name}" if base == "fairseq_ext" or base.endswith(tuple(PAPERS))
-                                 else base for a in n.names)
+                    is_package = os.path.isdir(os.path.join(os.path.dirname(USER_DIR), *base.split(".")))
+                    for a in n.names:  # from a package: the module it names, when it is one
+                        sub = os.path.join(os.path.dirname(USER_DIR), *base.split("."), a.name)
+                        found.add(f"{base}.{a.name}" if is_package and (os.path.isdir(sub) or os.path.isfile(
+                            sub + ".py")) else base)
                 elif isinstance(n, ast.Import):
                     found.update(a.name for a in n.names)
             out[module] = {m for m in found if m == "fairseq_ext" or m.startswith("fairseq_ext.")}
     return out
 
 
+SHARED = ("inference", "checkpoints", "common")
+
+
 def _folder(module):
-    """The room of a module: its paper folder, "inference", or "core" (the modules at the package root)."""
+    """The room of a module: its paper folder, a shared folder, or "core" (the modules at the package root)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PAPERS + ("inference",)) else "core"
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in PAPERS + SHARED) else "core"
 
 
 def test_shared_code_never_imports_a_paper_folder_and_no_loop_across_folders():
@@ -114,7 +120,7 @@ def test_shared_code_never_imports_a_paper_folder_and_no_loop_across_folders():
             a, b = _folder(module), _folder(dep)
             if module == "fairseq_ext" or a == b:  # the package's __init__ registers the papers
                 continue
-            if a in ("core", "inference"):
+            if a in ("core",) + SHARED:
                 assert b not in PAPERS, f"{module} (shared) imports {dep} (a paper folder)"
             if a in PAPERS:
                 assert b not in PAPERS, f"{module} imports another paper's {dep}"
@@ -152,7 +158,7 @@ def test_no_import_loop_between_modules():
     packages = {m for m in imports if any(o.startswith(m + ".") for o in imports)}
     graph = {m: {d for d in deps if d in imports and d not in packages} for m, deps in imports.items()
              if m not in packages}
-    assert "fairseq_ext.sat.generator" in graph and "fairseq_ext.errors" in graph
+    assert "fairseq_ext.sat.generator" in graph and "fairseq_ext.common.errors" in graph
     assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == ["a", "b"]  # the check itself sees a loop
     assert _cycles(graph) == [], {m: graph[m] for m in _cycles(graph)}
 
@@ -189,7 +195,7 @@ def test_round_trip_with_user_dir(tiny_transformer_dir, tmp_path):
         "--restore-file", "checkpoint_last.pt"], max_epoch=3), cwd=str(tmp_path))
     log = resumed.stdout + resumed.stderr
     # fairseq reports the epoch it resumes into: 3, after the updates of the two finished epochs
-    from fairseq_ext.checkpoint_io import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
+    from fairseq_ext.checkpoints import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
 
     updates_after_2 = load_checkpoint_file(os.path.join(r, "checkpoint2.pt"))["optimizer_history"][-1]["num_updates"]
     assert re.search(rf"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ {updates_after_2} updates\)", log), log[-3000:]
@@ -212,3 +218,23 @@ def test_every_source_file_is_at_most_700_lines():
                     if n > MAX_LINES:
                         long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
     assert not long, long
+
+
+def test_no_private_name_is_imported_from_another_folder():
+    """Across folders of the package only public names are imported (``from fairseq_ext.x.y import _name`` is
+    refused unless x is the importing module's own folder)."""
+    import ast
+
+    bad = []
+    for folder, _, files in os.walk(USER_DIR):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            rel = os.path.relpath(path, os.path.dirname(USER_DIR))[:-3].replace(os.sep, ".")
+            own = _folder(rel[: -len(".__init__")] if rel.endswith(".__init__") else rel)
+            for n in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("fairseq_ext."):
+                    if _folder(n.module) != own:
+                        bad += [f"{rel}: from {n.module} import {a.name}" for a in n.names if a.name.startswith("_")]
+    assert not bad, bad

@@ -13,7 +13,6 @@ sources of different lengths):
 Deterministic in CI: derandomize=True and no example database.
 """
 
-import argparse
 import functools
 import math
 
@@ -23,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
-from fairseq.models import ARCH_CONFIG_REGISTRY
 
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import relaxed_causal_mask, sat_decoder_input
@@ -68,7 +66,7 @@ def _sat(K, seed):
 @given(K=st.integers(1, 4), beam=st.integers(1, 4), lenpen=st.sampled_from([0.6, 1.0, 1.5]),
        max_len_b=st.integers(1, 9), seed=st.integers(0, 2), data=st.data())
 def test_sat_generator_hypotheses(K, beam, lenpen, max_len_b, seed, data):
-    from tests.builders import SAT_DICT as DICT, sat_sample as _sample
+    from tests.builders import SAT_DICT as DICT
 
     model = _sat(K, seed)
     src, src_lengths, _ = _random_batch(data, DICT)

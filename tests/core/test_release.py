@@ -1,4 +1,4 @@
-"""Release checkpoints (fairseq_ext/release.py, releases/, tools/train_release.py): packing, the sha256 check, and
+"""Release checkpoints (fairseq_ext/checkpoints/release.py, releases/, tools/train_release.py): packing, the sha256 check, and
 that the shipped models load through the safe loader and translate."""
 
 import json
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from fairseq_ext.checkpoint_io import load_checkpoint_file
-from fairseq_ext.release import ReleaseError, pack, read_manifest, release_state, verify
+from fairseq_ext.checkpoints import load_checkpoint_file
+from fairseq_ext.checkpoints.release import ReleaseError, pack, read_manifest, release_state, verify
 from tests.helpers import DEMO, DEMO_MSC, ROOT, run_module
 
 RELEASES = os.path.join(ROOT, "releases")
@@ -257,7 +257,7 @@ SHARED = ("spm.model", "dict.txt")
 @pytest.mark.parametrize("release_dir,name", _shipped() or [pytest.param(None, None, marks=pytest.mark.skip(
     reason="no release in releases/"))])
 def test_shipped_releases_carry_no_path_of_the_machine_that_built_them(release_dir, name):
-    from fairseq_ext.release import machine_paths
+    from fairseq_ext.checkpoints.release import machine_paths
 
     path = verify(release_dir, name)  # which checks it too
     assert machine_paths(load_checkpoint_file(path)) == []
@@ -266,7 +266,7 @@ def test_shipped_releases_carry_no_path_of_the_machine_that_built_them(release_d
 
 
 def test_pack_writes_no_path_of_the_machine_anywhere_in_the_config(packed):
-    from fairseq_ext.release import machine_paths
+    from fairseq_ext.checkpoints.release import machine_paths
 
     data, rel, out, _, _ = packed
     original = load_checkpoint_file(os.path.join(data, "checkpoint_last.pt"))
@@ -281,8 +281,8 @@ def test_verify_refuses_a_release_with_a_machine_path_and_scrub_paths_rewrites_i
     """``python -m fairseq_ext.release verify`` refuses a release whose config names a directory of the machine
     that built it with one line; ``scrub-paths`` rewrites it (weights unchanged) and records its sha256; a second
     run gives the same bytes."""
-    from fairseq_ext.checkpoint_io import atomic_torch_save
-    from fairseq_ext.release import sha256
+    from fairseq_ext.checkpoints import atomic_torch_save
+    from fairseq_ext.checkpoints.release import sha256
 
     rel = _copy_release(tmp_path)
     path = rel / "transformer.pt"
@@ -298,7 +298,7 @@ def test_verify_refuses_a_release_with_a_machine_path_and_scrub_paths_rewrites_i
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"error: release {path} carries a path of the machine that built it "
                                   "(models.transformer.command = '/home/builder/w')")
-    from fairseq_ext.release import main
+    from fairseq_ext.checkpoints.release import main
 
     assert main(["scrub-paths", "--release-dir", str(rel)]) == 0  # what python -m fairseq_ext.release runs
     assert verify(str(rel), "transformer") == str(path)
@@ -308,7 +308,7 @@ def test_verify_refuses_a_release_with_a_machine_path_and_scrub_paths_rewrites_i
     assert read_manifest(str(rel))["models"]["transformer"]["command"] == \
         "python tools/train_release.py --workdir DIR"
     digest = sha256(str(path))
-    from fairseq_ext.release import scrub_paths
+    from fairseq_ext.checkpoints.release import scrub_paths
 
     assert scrub_paths(str(rel)) == {"transformer": (digest, digest)} and sha256(str(path)) == digest
 
@@ -318,7 +318,7 @@ def test_verify_refuses_a_malformed_manifest_with_one_line(tmp_path, case, capsy
     """``python -m fairseq_ext.release verify`` (its main): a manifest without ``files``, cut JSON, or a model
     ``file`` that is not a file of the release directory (with the sha256 of the file it names, so that only the
     name gives it away) is refused with one ``error:`` line; it never returns a path outside the directory."""
-    from fairseq_ext.release import main, sha256
+    from fairseq_ext.checkpoints.release import main, sha256
 
     rel = _copy_release(tmp_path)
     text = (rel / "MANIFEST.json").read_text()

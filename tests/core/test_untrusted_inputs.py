@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import fairseq_ext  # noqa: F401
-from fairseq_ext.checkpoint_io import (ConfigConversionError, CorruptCheckpointError, UnsafeCheckpointError,
+from fairseq_ext.checkpoints import (ConfigConversionError, CorruptCheckpointError, UnsafeCheckpointError,
                                        load_checkpoint_file)
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
@@ -487,7 +487,7 @@ def test_average_checkpoints_refuses_a_non_tensor_entry_and_a_missing_output_dir
     """The main of ``python -m fairseq_ext.average_checkpoints``: one error line and exit status 1 each (a
     non-tensor weight was an AttributeError, an --output in a missing directory torch's RuntimeError after the
     whole averaging); nothing written."""
-    from fairseq_ext.average_checkpoints import main
+    from fairseq_ext.checkpoints.average import main
 
     transformer = os.path.join(DE_EN, "transformer.pt")
     state = load_checkpoint_file(transformer)
@@ -522,7 +522,7 @@ def test_the_meters_fairseq_writes_pass_the_meters_check():
     import numpy as np
     from fairseq.logging import metrics
 
-    from fairseq_ext.checkpoint_checks import metrics_problem
+    from fairseq_ext.checkpoints.checks import metrics_problem
 
     with metrics.aggregate(new_root=True) as agg:
         metrics.log_scalar("loss", torch.tensor(2.5), 3)

@@ -22,7 +22,7 @@ from benchmarks.claims import jobs as claims_jobs
 from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli, run_module
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
-LOCK = ".fairseq-train.lock"  # fairseq_ext/save_dir_lock.py
+LOCK = ".fairseq-train.lock"  # fairseq_ext/checkpoints/save_dir_lock.py
 if not os.path.isfile(os.path.join(DE_EN, "transformer.pt")):
     pytest.skip("no release in releases/bible-de-en", allow_module_level=True)
 
@@ -123,7 +123,7 @@ def test_release_verify_of_a_manifest_nested_too_deep_for_json_is_one_line(cli):
 def test_release_verify_of_a_huge_number_or_a_deep_entry_is_one_line(tmp_path, capsys, text, why):
     """(``main``, what ``python -m fairseq_ext.release`` runs) a 5000-digit number (ValueError of int(), not a
     JSONDecodeError) and an entry nested 40 deep name the manifest."""
-    from fairseq_ext.release import main
+    from fairseq_ext.checkpoints.release import main
 
     (tmp_path / "MANIFEST.json").write_text(text)
     assert main(["verify", "--release-dir", str(tmp_path), "--name", "t"]) == 1
@@ -209,7 +209,7 @@ def test_two_trainings_with_one_save_dir_the_second_refuses_and_the_first_finish
     assert first.returncode == 0, out[-3000:]
     assert "Saving checkpoint" in out and "Traceback" not in out
     assert not (save / LOCK).exists()  # removed at exit
-    from fairseq_ext.checkpoint_io import load_checkpoint_file
+    from fairseq_ext.checkpoints import load_checkpoint_file
 
     assert load_checkpoint_file(str(save / "checkpoint_last.pt"))["cfg"]["common"]["seed"] == 1
 
@@ -219,8 +219,8 @@ def test_two_trainings_with_one_save_dir_the_second_refuses_and_the_first_finish
 def test_release_verify_loads_the_bytes_it_hashed(tmp_path, monkeypatch, capsys):
     """Right after verify has hashed the model, the file on disk is replaced by a damaged copy: verify still
     loads (and accepts) the bytes it hashed, never the file's new content, and prints the path."""
-    from fairseq_ext import release
-    from fairseq_ext.release import main, read_manifest
+    from fairseq_ext.checkpoints import release
+    from fairseq_ext.checkpoints.release import main, read_manifest
 
     rel = tmp_path / "rel"
     rel.mkdir()

@@ -14,12 +14,12 @@ from fairseq.sequence_generator import SequenceGenerator
 
 import fairseq_ext  # noqa: F401  (registers the plugin)
 import fairseq_ext.inference.lean_decoder as lean_module
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.speedups import (PackedLinear, apply_speedups, prepack_output, quantize_decoder,
                                            quantize_encoder)
 from fairseq_ext.inference.lean_decoder import LeanIncrementalDecoding, lean_decoder
 from fairseq_ext.inference.lean_encoder import lean_encoder
-from fairseq_ext.release import read_manifest, verify
+from fairseq_ext.checkpoints.release import read_manifest, verify
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel, sat_decoder_input
 from tests.builders import SAT_DICT as DICT

@@ -16,7 +16,7 @@ from fairseq.logging import metrics
 from fairseq.models import ARCH_CONFIG_REGISTRY
 from fairseq.models.transformer import TransformerModel
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.msc.criterion import (
     LabelSmoothedCrossEntropyL2Criterion,
     encoder_weight_matrices,
@@ -30,7 +30,6 @@ from tests.builders import MscTask as _Task
 from tests.builders import msc_build as build
 from tests.builders import msc_flags as _flags
 from tests.helpers import (
-    ROOT,
     assert_close,
     create_dummy_data,
     generate_main,

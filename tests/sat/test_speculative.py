@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import fairseq_ext  # noqa: F401  (registers the plugin)
 from fairseq.data import Dictionary
 from fairseq.models.transformer import TransformerModel
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import STATE_KEY, cut_back, lean_step, rows_step
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.model import SATModel
@@ -419,7 +419,7 @@ def test_train_drafter_smoke_packs_a_release(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert re.search(r"train_drafter: K=2, 1 decoder layer\(s\), 20 updates: [0-9.]+ accepted drafts per verifier "
                      r"call on 20 valid sentences \(20 identical", proc.stdout), proc.stdout[-2000:]
-    from fairseq_ext.release import read_manifest, verify
+    from fairseq_ext.checkpoints.release import read_manifest, verify
 
     entry = read_manifest(str(rel))["models"]["sat_drafter"]
     assert entry["updates_trained"] == 20 and entry["threads"] == 1 and entry["command"].startswith(

@@ -1,7 +1,7 @@
 """Long-run reliability check, run by hand (not in CI): train with periodic SIGKILLs and resumes, then check
 that the result equals an uninterrupted run of the same number of updates.
 
-    python -m fairseq_ext.long_run_check --arch transformer --minutes 30
+    python -m fairseq_ext.checkpoints.long_run_check --arch transformer --minutes 30
 
 1. data: ``--data BIN`` (binarised, e.g. ``work/quickstart/bin-de-en`` of examples/quickstart.sh, with
    ``--source-lang/--target-lang``), else the bundled Ding corpus is prepared in ``--workdir`` (joint 8k
@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 
-USER_DIR = os.path.dirname(os.path.abspath(__file__))  # the package: what --user-dir names
+USER_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the package: what --user-dir names
 ROOT = os.path.dirname(USER_DIR)  # the checkout (tools/ and work/ live there)
 
 MODEL = {  # --arch NAME: (task, fairseq arch, flags); sizes of the quickstart's models
@@ -320,7 +320,7 @@ _LOADED = {}
 
 
 def _import_loader():
-    from fairseq_ext.checkpoint_io import load_checkpoint_file
+    from fairseq_ext.checkpoints import load_checkpoint_file
 
     _LOADED["load"] = load_checkpoint_file
 

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +322,7 @@ def fix_non_finite_scores_crash():
     was (a batch that decodes normally costs one look at its scores)."""
     from fairseq.tasks import FairseqTask
 
-    from fairseq_ext.checkpoint_io import checkpoint_of
+    from fairseq_ext.common.building import checkpoint_of
 
     original = FairseqTask.inference_step
     if getattr(original, "_fairseq_ext_wrapped", False):
@@ -546,10 +546,6 @@ def install():
     """Idempotent; called by ``import fairseq_ext``. Returns the names of the fixes applied."""
     import fairseq
     from fairseq.data import data_utils
-
-    from fairseq_ext import save_dir_lock
-
-    save_dir_lock.install()  # not a fix of fairseq's: on any fairseq version
 
     fixes = {
         "fix_dropped_last_batch": lambda: fix_dropped_last_batch(data_utils),

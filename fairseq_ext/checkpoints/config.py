@@ -1,5 +1,5 @@
 r"""The config strings of a checkpoint that fairseq would run as code or hand to Hydra: the check behind
-:func:`fairseq_ext.checkpoint_io.check_config` (the module docstring there says what it guarantees).
+:func:`fairseq_ext.checkpoints.check_config` (the module docstring there says what it guarantees).
 
 * :data:`EVAL_FIELDS`: strings fairseq ``eval()``s when it builds a model, task or optimizer; each must be a
   plain literal (:func:`literal_value`).
@@ -14,7 +14,7 @@ import ast
 import os
 import re
 
-from fairseq_ext.checkpoint_checks import UnsafeCheckpointError
+from fairseq_ext.checkpoints.checks import UnsafeCheckpointError
 
 
 # Fields whose string value fairseq 0.12 passes to eval() (``eval(args.x)``, ``utils.eval_str_list``,

@@ -1,5 +1,5 @@
 """Model archives of the hub (``from_pretrained("model.tar.gz", ...)`` of fairseq's models and ours), unpacked the
-safe way; installed by ``import fairseq_ext`` (:func:`fairseq_ext.checkpoint_io.install`).
+safe way; installed by ``import fairseq_ext`` (:func:`fairseq_ext.checkpoints.install`).
 
 fairseq's ``file_utils.load_archive_file`` (which ``hub_utils.from_pretrained`` calls for the model and the data
 argument) unpacks a ``.tar.*`` with ``tarfile.extractall`` and no filter, so a member named ``/abs/path`` or
@@ -39,7 +39,7 @@ import tarfile
 import tempfile
 import zlib
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 logger = logging.getLogger(__name__)
 

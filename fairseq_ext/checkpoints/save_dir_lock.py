@@ -14,7 +14,7 @@ import functools
 import os
 import stat
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 LOCK_NAME = ".fairseq-train.lock"
 _held = {}  # realpath of a save dir -> the open lock file (this process)
@@ -83,7 +83,7 @@ def release_all():
 
 
 def install():
-    """Idempotent; called by :func:`fairseq_ext.fairseq_fixes.install`."""
+    """Idempotent; called by :func:`fairseq_ext.common.fairseq_fixes.install`."""
     from fairseq import checkpoint_utils
 
     original = checkpoint_utils.verify_checkpoint_directory

@@ -7,9 +7,13 @@ another task (fairseq's ``translation``) hears False.
 
 * ``sat_transformer`` does not initialise from ``--sat-init-from`` again when rebuilt from its checkpoint;
 * ``bert_jam`` phase 3 does not load BERT's weights from the directory when the checkpoint holds them.
+
+And which checkpoint file a loaded model was built from (:func:`checkpoint_of`), recorded by the checkpoint
+loaders (:mod:`fairseq_ext.checkpoints.mismatch`), so that an error about a model can name its file.
 """
 
 import contextvars
+import weakref
 
 _FROM_CHECKPOINT = contextvars.ContextVar("fairseq_ext_building_from_checkpoint", default=False)
 
@@ -28,3 +32,19 @@ class RecordsCheckpointBuild:
             return super().build_model(cfg, from_checkpoint)
         finally:
             _FROM_CHECKPOINT.reset(token)
+
+
+_checkpoint_of = weakref.WeakKeyDictionary()  # model -> the checkpoint file fairseq's loaders built it from
+
+
+def checkpoint_of(model):
+    """The checkpoint file that ``load_model_ensemble_and_task`` built ``model`` from, or None."""
+    try:
+        return _checkpoint_of.get(model)
+    except TypeError:
+        return None
+
+
+def remember_checkpoint(model, path):
+    """Record that ``model`` was built from the checkpoint ``path``."""
+    _checkpoint_of[model] = str(path)

@@ -1,4 +1,4 @@
-"""What :mod:`fairseq_ext.checkpoint_io`'s safe loader checks besides the pickle and the config strings: the zip
+"""What :mod:`fairseq_ext.checkpoints`'s safe loader checks besides the pickle and the config strings: the zip
 records' CRC-32s (before unpickling), that everything but the config is plain data, the weights' dtypes and that
 they are finite, the data iterator's position, and that the meters fairseq restores on ``--restore-file`` are
 meters. Each check raises one line naming the file.
@@ -11,7 +11,7 @@ meters. Each check raises one line naming the file.
   that the file is the one torch wrote, not that torch wrote what its author meant (a file changed and re-zipped
   has valid CRCs). Checkpoints in torch's legacy (non-zip) format have no CRCs: they are read as they are.
 * **Plain data.** :func:`plain_data_problem` names the first object outside ``args`` and ``cfg`` (which
-  :mod:`fairseq_ext.checkpoint_config` checks) that is not a dict, list, tuple, set, number, string, bytes, tensor
+  :mod:`fairseq_ext.checkpoints.config` checks) that is not a dict, list, tuple, set, number, string, bytes, tensor
   or numpy number or array of numbers: an omegaconf node in ``extra_state`` resolves ``${oc.env:...}`` when
   fairseq reads it (and prints it: "Loaded checkpoint ... (epoch <value> @ ...)").
 * **Dtypes.** :func:`odd_dtype_weight` names the first tensor of ``state["model"]`` whose dtype is not one of
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fairseq_ext.errors import FairseqExtError
+from fairseq_ext.common.errors import FairseqExtError
 
 
 class CorruptCheckpointError(FairseqExtError):
@@ -127,7 +127,7 @@ def plain_data_problem(state):
         seen.add(id(obj))
         for key, value in items:
             if depth == 0 and where == "" and isinstance(obj, dict) and key in ("args", "cfg"):
-                continue  # the config: checkpoint_config's check
+                continue  # the config: config.py's check
             if isinstance(obj, dict):
                 found = walk(key, f"{where or 'the top level'} (a key)", depth + 1)
                 if found:
