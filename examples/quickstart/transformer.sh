@@ -4,7 +4,7 @@
 # yet); a fixed number of updates (6-9 minutes on 2 idle cores, measured at 195-294 updates a minute; the
 # --minutes cap stops it earlier), the last 3 checkpoints averaged. Measured
 # on the valid set (John, beam 5, single reference), against fairseq's post-norm default with dropout 0.1 and lr
-# 0.002: 18.3 vs 12.2 BLEU after 1,500 updates, 23.2 vs 17.7 after 2,000 (docs/quickstart.md).
+# 0.002: 18.3 vs 12.2 BLEU after 1,500 updates, 23.2 vs 17.7 after 2,000 (docs/notes/quickstart.md).
 # Ding corpus: the earlier quickstart model, 3+3 post-norm layers, d 256, FFN 512.
 if [ "$CORPUS" = bible ]; then
   DIM=128 LR=0.003 WARMUP=200 MAX_TOKENS=1024 DROPOUT=0.0 MAX_UPDATE=1800 SAVE_EVERY=100 AVERAGE_LAST=3

