@@ -1,8 +1,12 @@
 import os
+import re
 
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# the version is declared once, in fairseq_ext/__init__.py
+with open(os.path.join(ROOT, "fairseq_ext", "__init__.py"), encoding="utf-8") as f:
+    VERSION = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M).group(1)
 
 # The runtime dependencies, loose (requirements.txt pins the versions tested, plus the test and plot tools).
 # fairseq-fixed is fairseq 0.12 with Python 3.11 fixes (import name `fairseq`); build it without build isolation
@@ -24,7 +28,7 @@ INSTALL_REQUIRES = [
 
 setup(
     name="fairseq-ext",
-    version="0.1.0",
+    version=VERSION,
     description="Research NMT architectures (MSC, SAT, ConvS2S, BERT-JAM) as a fairseq --user-dir plugin",
     long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
     long_description_content_type="text/markdown",
