@@ -53,7 +53,8 @@ def run_module(module, args, check=True, timeout=900, input=None):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, input=input,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 

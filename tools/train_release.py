@@ -7,9 +7,10 @@ Runs ``examples/quickstart.sh --from-scratch`` with the arch's quickstart settin
 packs it with ``python -m fairseq_ext.release pack`` into ``releases/CORPUS-SRC-TGT/ARCH.pt`` (fp16, no optimizer
 state, no path of this machine, sha256 in MANIFEST.json). The manifest records the command (directories outside
 the repository as ``DIR``), the updates, the wall-clock and CPU time of the whole run (``resource.getrusage`` of
-the child processes: preparation, training, decoding), the valid and test BLEU and the machine's core count. The models of one release directory share its sentencepiece model and
-dictionary: once the directory has an ``spm.model``, the run encodes with it (``--spm-model``). The valid BLEU is
-a report, not a selection: the settings and the update count are fixed before training.
+the child processes: preparation, training, decoding), the valid and test BLEU and the machine's core count. The
+models of one release directory share its sentencepiece model and dictionary: once the directory has an
+``spm.model``, the run encodes with it (``--spm-model``). The valid BLEU is a report, not a selection: the settings
+and the update count are fixed before training.
 """
 
 import argparse
@@ -144,8 +145,9 @@ def main(argv=None):
     with open(os.path.join(out_dir, "valid.hyp"), "w", encoding="utf-8") as f:
         f.writelines(h + "\n" for _, h in hyps)
     data_dir = os.path.join(args.workdir, "data")
-    score = subprocess.run(["sacrebleu", os.path.join(data_dir, f"valid.{tgt}"), "-i", os.path.join(out_dir, "valid.hyp"),
-                            "-m", "bleu", "-w", "2"], check=True, capture_output=True, text=True)
+    score = subprocess.run(["sacrebleu", os.path.join(data_dir, f"valid.{tgt}"),
+                            "-i", os.path.join(out_dir, "valid.hyp"), "-m", "bleu", "-w", "2"],
+                           check=True, capture_output=True, text=True)
     valid = json.loads(score.stdout)
     test_bleu, test_sig = bleu_of(os.path.join(out_dir, "bleu.json"))
     n_updates = int(trained[-1]) if trained else updates

@@ -183,8 +183,8 @@ class BertInputBuilder:
     """Turns fairseq source ids (or plain sentences) into BERT ids: remove BPE, detokenise, tokenise with the
     BERT tokenizer (fast or slow) and its special tokens, truncate to the model's limit with a warning.
 
-    The same object serves ``python -m fairseq_ext.bert_jam.prepare`` (once, offline) and the model (on the fly when a batch has no
-    ``bert_input``), so prepared and derived inputs are identical."""
+    The same object serves ``python -m fairseq_ext.bert_jam.prepare`` (once, offline) and the model (on the fly when
+    a batch has no ``bert_input``), so prepared and derived inputs are identical."""
 
     def __init__(self, bert_model_name, src_dict=None, remove_bpe="auto", detokenize="auto", max_length=0,
                  tokenizer=None):

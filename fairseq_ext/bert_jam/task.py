@@ -6,7 +6,8 @@ task
 
 * collates ``net_input["bert_input"]`` (B x T_bert, right-padded with BERT's pad id, so BERT's absolute
   positions start at 0 for every sentence) from ``{split}.{src}-{tgt}.{src}.bert.{bin,idx}``, written once by
-  ``python -m fairseq_ext.bert_jam.prepare`` beside the binarised data (see :class:`fairseq_ext.bert_jam.bert.BertInputBuilder`);
+  ``python -m fairseq_ext.bert_jam.prepare`` beside the binarised data (see
+  :class:`fairseq_ext.bert_jam.bert.BertInputBuilder`);
 * leaves ``bert_input`` out when that file is absent (e.g. ``fairseq-generate`` on a split that was not
   prepared, ``fairseq-interactive`` with ordinary one-line input): the model then derives it from
   ``src_tokens`` with the very same builder, so both paths give identical BERT ids;

@@ -34,9 +34,9 @@ guarantees, and what it does not:
   builds them by class name on ``--restore-file``). A model whose outputs are not finite at decoding time is
   named in one line by :func:`fairseq_ext.common.fairseq_fixes.fix_non_finite_scores_crash`; weights that do not fit
   the model (missing or unexpected names, other shapes) are one line naming the file.
-* **Archives.** The hub's ``.tar.gz`` model archives are unpacked by :mod:`fairseq_ext.checkpoints.archives`: every member
-  checked before anything is written (regular files and directories only: no links, devices or FIFOs, no absolute
-  or ``..`` names), size and member caps, written by the plugin into a private temporary directory, the archive
+* **Archives.** The hub's ``.tar.gz`` model archives are unpacked by :mod:`fairseq_ext.checkpoints.archives`: every
+  member checked before anything is written (regular files and directories only: no links, devices or FIFOs, no
+  absolute or ``..`` names), size and member caps, written by the plugin into a private temporary directory, the archive
   left as it is.
 * **Not covered.** The tensors of a checkpoint are still untrusted data (a model built from finite weights
   translates whatever they say); fields that other plugins ``eval()`` are not checked unless they are in

@@ -90,8 +90,8 @@ def prepare_bundled(workdir, src, tgt):
         return bin_dir
     print(f"preparing the bundled corpus in {data} and {bin_dir}", flush=True)
     os.makedirs(data, exist_ok=True)
-    sh([sys.executable, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"), "--out", data, "--vocab-size", "8000"],
-       os.path.join(workdir, "prepare.log"))
+    sh([sys.executable, os.path.join(ROOT, "tools", "prepare_bundled_corpus.py"), "--out", data,
+        "--vocab-size", "8000"], os.path.join(workdir, "prepare.log"))
     sh([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
         "--trainpref", f"{data}/train.spm", "--validpref", f"{data}/valid.spm", "--testpref", f"{data}/test.spm",
         "--destdir", bin_dir, "--joined-dictionary", "--workers", "2"], os.path.join(workdir, "preprocess.log"))

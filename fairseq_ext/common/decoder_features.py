@@ -13,7 +13,8 @@ from torch import Tensor
 
 
 def newest_positions(decoder, prev_output_tokens: Tensor,
-                     incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]]) -> Tuple[Tensor, Optional[Tensor]]:
+                     incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]]
+                     ) -> Tuple[Tensor, Optional[Tensor]]:
     """The tokens to embed and their positional embeddings: all of them, or in incremental decoding (one new
     token per step, as fairseq's SequenceGenerator feeds it) only the newest."""
     positions = None

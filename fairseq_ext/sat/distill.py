@@ -42,7 +42,7 @@ def distill(generate_output, source, out_prefix, source_lang, target_lang):
     if not hyps:
         raise FairseqExtError(f"--generate-output {generate_output}: no 'H-' lines (is it fairseq-generate output?)")
     with open(source, encoding="utf-8") as f:
-        src_lines = [l.rstrip("\n") for l in f]
+        src_lines = [line.rstrip("\n") for line in f]
     if max(hyps) >= len(src_lines):
         raise FairseqExtError(
             f"--generate-output has sentence id {max(hyps)} but --source {source} has {len(src_lines)} lines; "

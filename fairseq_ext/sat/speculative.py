@@ -398,8 +398,8 @@ def _put(buf: Tensor, first: List[int], values: Tensor) -> None:
 
 def build_speculative(task, models, draft_path: str, speedups: str = "", max_batch: int = MAX_BATCH,
                       **kwargs) -> SpeculativeSATGenerator:
-    """The speculative generator of :func:`fairseq_ext.sat.task.build_sat_generator` (``--sat-draft-path``; ``--sat-draft-speedups``: the
-    opt-in speed-ups of :mod:`fairseq_ext.inference.speedups` for the drafter alone)."""
+    """The speculative generator of :func:`fairseq_ext.sat.task.build_sat_generator` (``--sat-draft-path``;
+    ``--sat-draft-speedups``: the opt-in speed-ups of :mod:`fairseq_ext.inference.speedups` for the drafter alone)."""
     if kwargs.get("beam_size", 1) != 1:
         raise FairseqExtError("--sat-draft-path decodes greedily (its output is the verifier's greedy output): "
                               "use --beam 1")

@@ -271,7 +271,8 @@ def test_bert_text_from_sentencepiece_and_subword_nmt_sources(tiny_bert):
 
     # ids: the tokenizer's own special tokens, right padding with BERT's pad id, truncation to the limit
     tok = b.tokenizer
-    out = b.batch_from_source(torch.stack([torch.tensor(ids), torch.tensor([bpe.pad()] * 8 + [bpe.index("x"), bpe.eos()])]))
+    out = b.batch_from_source(torch.stack([torch.tensor(ids),
+                                           torch.tensor([bpe.pad()] * 8 + [bpe.index("x"), bpe.eos()])]))
     assert out[0].tolist() == tok("hello world's x-x.")["input_ids"]
     assert out[1].tolist()[:3] == [tok.cls_token_id, tok.convert_tokens_to_ids("x"), tok.sep_token_id]
     assert set(out[1].tolist()[3:]) == {tok.pad_token_id}
@@ -289,7 +290,8 @@ def test_dataset_collates_bert_input_in_batch_order(tiny_bert):
     d = letter_dict()
     srcs = [torch.tensor([d.index(c) for c in w] + [d.eos()]) for w in ["ab", "abcde", "abc"]]
     berts = [torch.tensor([2, 5 + i, 3]) for i in range(3)]
-    base = LanguagePairDataset(srcs, torch.tensor([len(s) for s in srcs]), d, srcs, torch.tensor([len(s) for s in srcs]), d)
+    base = LanguagePairDataset(srcs, torch.tensor([len(s) for s in srcs]), d,
+                               srcs, torch.tensor([len(s) for s in srcs]), d)
     ds = LanguagePairBertDataset(base, ListDataset(berts), bert_pad=0)
     b = ds.collater([ds[i] for i in range(3)])
     assert b["id"].tolist() == [1, 2, 0]  # fairseq sorts by source length
@@ -469,9 +471,9 @@ def prepared(tiny_bert, tmp_path_factory):
 
 
 def _task(data, tiny_bert):
-    return TranslationBertTask.setup_task(TranslationBertConfig(data=data, bert_model_name=tiny_bert,
-                                                                source_lang="in", target_lang="out", dataset_impl="mmap",
-                                                                required_seq_len_multiple=1))
+    cfg = TranslationBertConfig(data=data, bert_model_name=tiny_bert, source_lang="in", target_lang="out",
+                                dataset_impl="mmap", required_seq_len_multiple=1)
+    return TranslationBertTask.setup_task(cfg)
 
 
 def test_a_second_validation_set_is_a_subset_of_its_own(prepared, tiny_bert):
@@ -500,8 +502,9 @@ def test_bert_input_prepared_with_other_settings_is_refused(prepared, tiny_bert,
     shutil.copytree(prepared, other)
     meta["detokenize"] = "none"  # prepared with --bert-detokenize none
     json.dump(meta, open(os.path.join(other, "bert_input.in.json"), "w"))
-    with pytest.raises(FairseqExtError, match=r"^--bert-detokenize: .*bert_input\.in\.json has detokenize=none but "
-                                              r"the BERT input that the model's flags derive\(s\) has detokenize=moses"):
+    with pytest.raises(FairseqExtError,
+                       match=r"^--bert-detokenize: .*bert_input\.in\.json has detokenize=none but "
+                             r"the BERT input that the model's flags derive\(s\) has detokenize=moses"):
         _task(other, tiny_bert).build_model(argparse.Namespace(**vars(args)))
     # the settings saved in a checkpoint are the model's: generation from it refuses the same data
     saved = argparse.Namespace(**vars(model.args))

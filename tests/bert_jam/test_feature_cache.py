@@ -73,7 +73,8 @@ def model_args(phase, composition="glu"):
     return argparse.Namespace(arch="bert_jam", encoder_embed_dim=32, encoder_ffn_embed_dim=48,
                               encoder_attention_heads=4, encoder_layers=2, decoder_layers=2, decoder_embed_dim=32,
                               decoder_ffn_embed_dim=48, decoder_attention_heads=4, bert_jam_phase=phase,
-                              bert_composition=composition, dropout=0.0, attention_dropout=0.0, share_all_embeddings=True)
+                              bert_composition=composition, dropout=0.0, attention_dropout=0.0,
+                              share_all_embeddings=True)
 
 
 def build(task, phase, **kw):

@@ -2,7 +2,8 @@
 German on a few hundred sentences of the bundled corpus: fairseq-preprocess, bert_prepare, the three phases
 through fairseq-train --user-dir (phase 2 from phase 1 with --restore-file --reset-optimizer and --eval-bleu,
 phase 3 from phase 2 with --finetune-from-model), fairseq-generate --print-alignment and one-line
-fairseq-interactive (from the phase-2 checkpoint, which does not hold the frozen BERT). Tiny NMT model and a few updates per phase, to stay within the test budget."""
+fairseq-interactive (from the phase-2 checkpoint, which does not hold the frozen BERT). Tiny NMT model and a few
+updates per phase, to stay within the test budget."""
 
 import gzip
 import json
@@ -63,7 +64,8 @@ def run(tmp_path_factory):
     out = {"dir": d, "raw": raw}
     arch = "bert_jam_iwslt_de_en"
     out["p1"] = run_cli("train", train_args(d, arch, MODEL + OPT + [
-        "--save-dir", f"{d}/p1", "--bert-jam-phase", "1", "--max-update", "3", "--disable-validation"], task="translation_bert")).stdout
+        "--save-dir", f"{d}/p1", "--bert-jam-phase", "1", "--max-update", "3",
+        "--disable-validation"], task="translation_bert")).stdout
     out["p2"] = run_cli("train", train_args(d, arch, MODEL + OPT + [
         "--save-dir", f"{d}/p2", "--bert-jam-phase", "2", "--max-update", "6",
         "--restore-file", f"{d}/p1/checkpoint_last.pt", "--reset-optimizer",
@@ -164,7 +166,8 @@ def test_three_phases_freeze_warm_start_and_continue(run):
     n3 = s3["optimizer_history"][-1]["num_updates"]
     assert (n1, n2, n3) == (3, 6, 3)
     assert "continue from" in run["p2"] and "at 3 updates" in run["p2"]
-    inner = [json.loads(x[x.index("{"):]) for x in run["p2"].splitlines() if '"num_updates"' in x and "train_inner" in x]
+    inner = [json.loads(x[x.index("{"):]) for x in run["p2"].splitlines()
+             if '"num_updates"' in x and "train_inner" in x]
     assert [int(x["num_updates"]) for x in inner] == [4, 5, 6]  # not 1..6 with a second warm-up
     lr = lambda n: 0.002 * min(n / 4, (4 / n) ** 0.5)  # noqa: E731  inverse_sqrt, --warmup-updates 4
     assert all(abs(float(x["lr"]) - lr(int(x["num_updates"]))) < 1e-6 for x in inner)

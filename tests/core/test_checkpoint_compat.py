@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each test runs fairseq-generate in a fresh process
-
 from tests.helpers import ROOT, USER_DIR, run_cli
+
+pytestmark = pytest.mark.slow  # each test runs fairseq-generate in a fresh process
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "pre_layout")
 TASKS = {"fconv_glu": "translation", "msc_transformer": "translation", "sat_transformer": "translation_sat",

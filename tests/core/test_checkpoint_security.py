@@ -372,7 +372,8 @@ def test_checkpoint_copies_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     src.write_bytes(b"x" * 100_000)
     events, real_fsync, real_replace = [], os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_size)), real_fsync(fd)))
-    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.path.basename(b))), real_replace(a, b)))
+    monkeypatch.setattr(os, "replace",
+                        lambda a, b: (events.append(("replace", os.path.basename(b))), real_replace(a, b)))
     assert PathManager.copy(str(src), str(dst), overwrite=True)
     assert events[:2] == [("fsync", 100_000), ("replace", "checkpoint_last.pt")], events
     assert dst.read_bytes() == src.read_bytes()

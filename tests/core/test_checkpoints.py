@@ -81,7 +81,8 @@ def test_malicious_checkpoint_is_refused_in_process(tmp_path):
     torch.save({"model": {}, "args": _Exploit(marker)}, path)
     from fairseq import checkpoint_utils
 
-    with pytest.raises(checkpoints.UnsafeCheckpointError, match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
+    with pytest.raises(checkpoints.UnsafeCheckpointError,
+                       match=r"refusing to load checkpoint .*evil\.pt: it pickles (posix|os)\.system"):
         checkpoint_utils.load_checkpoint_to_cpu(str(path))
     with pytest.raises(checkpoints.UnsafeCheckpointError):
         checkpoints.load_checkpoint_file(str(path))
@@ -277,9 +278,11 @@ def test_one_line_error_and_the_traceback_on_request(tmp_path):
 
     cmd = [sys.executable, "-m", "fairseq_ext.average_checkpoints", "--inputs", str(tmp_path / "missing.pt"),
            "--output", str(tmp_path / "avg.pt")]
-    plain = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="0"))
+    plain = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                           env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="0"))
     assert plain.returncode == 1 and "Traceback" not in plain.stderr
     assert plain.stderr.strip().splitlines()[-1].startswith("error: ") and "missing.pt" in plain.stderr
-    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="1"))
+    full = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, FAIRSEQ_EXT_TRACEBACK="1"))
     assert full.returncode == 1 and "Traceback" in full.stderr and full.stderr.strip().splitlines()[-1] == \
         plain.stderr.strip().splitlines()[-1]

@@ -158,7 +158,8 @@ def runs(request, tmp_path_factory):
         "bert_missing": train("bert_missing", bert_flags + ["--bert-model-name", os.path.join(w, "missing")],
                               "translation_bert"),
         "bert_not_bert": train("bert_not_bert", bert_flags + ["--bert-model-name", not_bert], "translation_bert"),
-        "bert_tokenizer": train("bert_tokenizer", bert_flags + ["--bert-model-name", bert_mismatch], "translation_bert"),
+        "bert_tokenizer": train("bert_tokenizer", bert_flags + ["--bert-model-name", bert_mismatch],
+                                "translation_bert"),
     }
     pool = ThreadPoolExecutor(2)
     try:
@@ -285,7 +286,8 @@ def test_raw_text_with_empty_and_whitespace_only_lines(runs):
 
 def test_dictionary_that_does_not_match_the_checkpoint(runs):
     other = os.path.join(runs["w"], "other_dict")
-    assert_one_line_error(runs["results"]["dict"], f"source dictionary {os.path.join(other, 'dict.in.txt')} (14 symbols)",
+    assert_one_line_error(runs["results"]["dict"],
+                          f"source dictionary {os.path.join(other, 'dict.in.txt')} (14 symbols)",
                           f"does not match checkpoint {runs['ckpt']}", "encoder.embed_tokens.weight has 32 rows",
                           "--srcdict/--tgtdict")
     assert _tree(other) == runs["before"]["other"]

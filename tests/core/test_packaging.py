@@ -25,7 +25,8 @@ def test_license_and_notice():
     assert license_text.startswith("MIT License") and 'license="MIT"' in setup
     # fairseq's MIT notice, and the files derived from fairseq named
     assert "Copyright (c) Facebook, Inc. and its affiliates." in notice and "Permission is hereby granted" in notice
-    for path in ("fairseq_ext/convs2s/model.py", "fairseq_ext/convs2s/layers.py", "fairseq_ext/common/decoder_features.py"):
+    for path in ("fairseq_ext/convs2s/model.py", "fairseq_ext/convs2s/layers.py",
+                 "fairseq_ext/common/decoder_features.py"):
         assert path in notice and os.path.isfile(os.path.join(ROOT, path)), path
     # the bundled corpus keeps its GPL notice
     assert "GNU General Public License, version 2 or later" in notice
@@ -56,7 +57,8 @@ def test_wheel_metadata_and_contents(wheel):
     names = z.namelist()
     meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
-    runtime = {r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip() for r in requires if "extra ==" not in r}
+    runtime = {r.split(";")[0].split("<")[0].split(">")[0].split("=")[0].strip()
+               for r in requires if "extra ==" not in r}
     assert runtime >= {"fairseq-fixed", "torch", "sacrebleu", "sentencepiece", "transformers", "omegaconf"}
     assert "torch>=2.4" in requires  # loose: an installed CPU or CUDA torch satisfies it, nothing is re-downloaded
     assert not any("torchaudio" in r or r.startswith("torch==") for r in requires)

@@ -198,7 +198,8 @@ def test_round_trip_with_user_dir(tiny_transformer_dir, tmp_path):
     from fairseq_ext.checkpoints import load_checkpoint_file  # plain torch.load refuses Namespace (S2)
 
     updates_after_2 = load_checkpoint_file(os.path.join(r, "checkpoint2.pt"))["optimizer_history"][-1]["num_updates"]
-    assert re.search(rf"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ {updates_after_2} updates\)", log), log[-3000:]
+    loaded = rf"Loaded checkpoint .*checkpoint_last\.pt \(epoch 3 @ {updates_after_2} updates\)"
+    assert re.search(loaded, log), log[-3000:]
     assert os.path.isfile(os.path.join(r, "checkpoint3.pt"))
 
 

@@ -147,7 +147,8 @@ def test_quickstart_smoke_from_the_release_continues_its_training(arch, run, tmp
     assert valid_loss < 7.0, out  # from random weights: 12.19 after 20 updates (--smoke --from-scratch)
     bleu = json.loads(open(tmp_path / "out" / run / "bleu.json").read())
     assert bleu["score"] > 10, bleu  # the release translates (outputs cut at 16 tokens in --smoke)
-    assert all("-release" in d for d in os.listdir(tmp_path / "out")), os.listdir(tmp_path / "out")  # no --from-scratch run
+    # no --from-scratch run
+    assert all("-release" in d for d in os.listdir(tmp_path / "out")), os.listdir(tmp_path / "out")
     assert "SAT 1/3" not in out and "SAT 2/3" not in out
 
 

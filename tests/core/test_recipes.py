@@ -223,7 +223,8 @@ def test_bert_jam_ding(tmp_path):
     assert len(prune) == 1
     assert [f[len(ROOT) + 1:] for f in shlex.split(prune[0].split(" > ")[0])[1:]] == [
         f"data/{c}/train.de.gz" for c in ("ding-de-en", "ding-lexicon-de-en", "libreoffice-help-de-en", "bible-de-en")]
-    in_order(cmds, [r"prepare_bundled_corpus\.py --corpus ding --vocab-size 8000", r"^fairseq-preprocess .*--joined-dictionary",
+    in_order(cmds, [r"prepare_bundled_corpus\.py --corpus ding --vocab-size 8000",
+                    r"^fairseq-preprocess .*--joined-dictionary",
                     r"e5_convert .*--prune-to-corpus .*prune_de\.txt", r"fairseq_ext\.bert_jam\.prepare"])
     train = [flags(c) for c in cmds if c.startswith("fairseq-train")]
     stages = ["p1a", "p1b", "p2a", "p2b", "p3a", "p3b", "p3c", "p3d", "p3e"]
@@ -233,7 +234,8 @@ def test_bert_jam_ding(tmp_path):
     assert [t["--lr"] for t in train] == ["0.003"] * 2 + ["0.001"] * 2 + ["0.0003"] * 5
     inits = [t.get("--finetune-from-model") for t in train]
     assert inits == [None] + [f"{work}/{s}/checkpoint_last.pt" for s in stages[:3]] + [
-        f"{work}/p2b_best.pt"] + [f"{work}/{s}/checkpoint_last.pt" for s in stages[4:6]] + [f"{work}/avg4.pt", f"{work}/p3d_best.pt"]
+        f"{work}/p2b_best.pt"] + [f"{work}/{s}/checkpoint_last.pt" for s in stages[4:6]] + [
+        f"{work}/avg4.pt", f"{work}/p3d_best.pt"]
     assert [t.get("--bert-feature-cache") for t in train] == [f"{work}/cache_phase1"] * 2 + [
         f"{work}/cache_phase2"] * 2 + [None] * 5
     assert all(t["--encoder-embed-dim"] == "128" and t["--dropout"] == "0.3" and t["--max-tokens"] == "1024"

@@ -1,5 +1,5 @@
-"""Release checkpoints (fairseq_ext/checkpoints/release.py, releases/, tools/train_release.py): packing, the sha256 check, and
-that the shipped models load through the safe loader and translate."""
+"""Release checkpoints (fairseq_ext/checkpoints/release.py, releases/, tools/train_release.py): packing, the sha256
+check, and that the shipped models load through the safe loader and translate."""
 
 import json
 import os
@@ -169,7 +169,8 @@ def test_the_shipped_de_en_releases_translate_the_demo_sentences(name, tmp_path)
         shutil.copyfile(os.path.join(release_dir, "dict.txt"), tmp_path / f"dict.{lang}.txt")
     task = "translation_sat" if name.startswith("sat_") else "translation"
     cmd = [sys.executable, "-m", "fairseq_cli.interactive", str(tmp_path), "--user-dir",
-           os.path.join(ROOT, "fairseq_ext"), "--path", path, "--task", task, "--source-lang", "de", "--target-lang", "en",
+           os.path.join(ROOT, "fairseq_ext"), "--path", path, "--task", task,
+           "--source-lang", "de", "--target-lang", "en",
            "--bpe", "sentencepiece", "--sentencepiece-model", os.path.join(release_dir, "spm.model"),
            "--beam", "5", "--max-len-a", "1.2", "--max-len-b", "10", "--num-workers", "0"]
     proc = subprocess.run(cmd, input="\n".join(DEMO) + "\n", capture_output=True, text=True, cwd=ROOT)

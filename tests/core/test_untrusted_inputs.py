@@ -1,7 +1,7 @@
 """Untrusted inputs through the real entry points (``python -m fairseq_cli.interactive --user-dir fairseq_ext``,
 the hub's ``from_pretrained``, the ``main`` of ``python -m fairseq_ext.average_checkpoints``): model archives, BERT
-directories, damaged checkpoints, legacy ``args`` checkpoints, interactive input, the absence of any compiler call, and the
-inputs that used to end in a traceback. A payload only ever creates a marker file, which must not exist afterwards.
+directories, damaged checkpoints, legacy ``args`` checkpoints, interactive input, the absence of any compiler call, and
+the inputs that used to end in a traceback. A payload only ever creates a marker file, which must not exist afterwards.
 
 The checkpoints are the shipped releases (releases/bible-de-en, bible-en-de) or copies of them changed here, so
 no test needs a training run. What only a command line shows (its input, output and stderr) runs through

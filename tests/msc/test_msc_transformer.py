@@ -499,7 +499,8 @@ def test_layer_grad_norms_are_unscaled_when_the_optimizer_unscales_inside_its_st
     opt = ScaledSGD(model.parameters(), lr=0.0)
     src, lengths, tgt = _batch(d)
     model(src, lengths, tgt)[0].pow(2).mean().backward()
-    expect = [math.sqrt(sum(float(p.grad.pow(2).sum()) for p in layer.parameters())) / 4 for layer in model.encoder.layers]
+    expect = [math.sqrt(sum(float(p.grad.pow(2).sum()) for p in layer.parameters())) / 4
+              for layer in model.encoder.layers]
     with metrics.aggregate(new_root=True) as agg:
         opt.step(scale=4.0)
     vals = agg.get_smoothed_values()

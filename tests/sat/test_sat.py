@@ -787,7 +787,7 @@ def test_position_wise_cross_entropy_command(trained, tmp_path):
         "--max-position", "8", "--png", png])
     out = proc.stdout
     assert "position\ttransformer\tsat_transformer K=2" in out
-    rows = [l.split("\t") for l in out.splitlines() if re.match(r"^\d+\t", l)]
+    rows = [line.split("\t") for line in out.splitlines() if re.match(r"^\d+\t", line)]
     assert [int(r[0]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 5
     assert all(float(c) > 0 for r in rows for c in r[1:] if c != "-")
     assert re.search(r"by position in group \(sat_transformer K=2\): 1:[0-9.]+  2:[0-9.]+", out)
@@ -833,7 +833,7 @@ def test_recipe_dry_run(recipe, tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "recipes", "sat", f"{recipe}.sh"), "--dry-run",
                            "--workdir", str(tmp_path / "w")], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    cmds = [l for l in proc.stdout.splitlines() if l.startswith("+ ")]
+    cmds = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
     assert not os.path.exists(tmp_path / "w")  # nothing ran
     kinds = [c.split()[1] if c.split()[1] != "python" else c.split()[3] for c in cmds]
     # teacher, average, KD decode + corpus + binarise, 3 x (student, average), 4 models x 2 beams x 2 runs
