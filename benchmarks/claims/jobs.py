@@ -58,6 +58,26 @@ def write_json(path, obj):
     os.replace(path + ".tmp", path)
 
 
+_COMMIT = None
+
+
+def code_commit() -> str:
+    """The commit of the code a result is computed with: ``git rev-parse HEAD``, with ``+changes`` when the
+    package or the benchmarks differ from it ("unknown" outside a git checkout). Recorded in every result, not
+    hashed: a new commit does not re-run finished steps, the report says when its results come from several."""
+    global _COMMIT
+    if _COMMIT is None:
+        try:
+            head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "fairseq_ext", "benchmarks"], cwd=ROOT,
+                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            _COMMIT = (head + ("+changes" if dirty else "")) if head else "unknown"
+        except (OSError, subprocess.SubprocessError):
+            _COMMIT = "unknown"
+    return _COMMIT
+
+
 def settings_hash(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -200,7 +220,7 @@ class Scheduler:
             self.say(f"FAILED {job.name}: {type(e).__name__}: {e}")
             return
         res = {"ok": True, "settings_hash": self.job_hash(job.name), "minutes": (time.time() - t0) / 60,
-               "threads": job.threads, **res}
+               "threads": job.threads, "code_commit": code_commit(), **res}
         write_json(self.result_path(job.name), res)
         with self.lock:
             self.results[job.name] = res

@@ -16,8 +16,37 @@ on 2 CPU cores: the experiment each paper's claim needs, with the control of equ
 size that fits (the sizes are flags of the same command, for a larger machine). Hyper-parameters are chosen on the
 valid set; the test set is decoded once per model after training. Every BLEU is sacreBLEU on detokenised text
 (signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict.
+
+One table of verdict words for all four papers:
+
+| verdict | means |
+|---|---|
+| reproduced | the fair experiment ran and every target of the section is met |
+| partly reproduced | the fair experiment ran and some targets are met: the section names which effects hold |
+| not reproduced | the fair experiment ran and the effect is absent: no target is met |
+| not tested | the experiment could not be run as designed: the section says what would test it |
 """
-VERDICTS = ("reproduced", "not reproduced", "not testable at this scale")
+VERDICTS = ("reproduced", "partly reproduced", "not reproduced", "not tested")
+
+
+def verdict_of(met):
+    """The verdict word of a fair experiment from ``met`` ({target: True/False}): every one, some, none."""
+    if not met:
+        raise ValueError("a verdict needs at least one target")
+    hits = sum(bool(v) for v in met.values())
+    return "reproduced" if hits == len(met) else "partly reproduced" if hits else "not reproduced"
+
+
+def provenance(results, paper):
+    """The code commits and seeds the given job results were computed with (for claims.json), and the sentence for
+    the section: results of several commits are never mixed without saying so."""
+    commits = sorted({r.get("code_commit", "unknown") for r in results})
+    seeds = sorted({str(r["seed"]) for r in results if r.get("seed") is not None})
+    line = ("All results of this section come from one version of the code" if len(commits) == 1 else
+            f"**The results of this section come from {len(commits)} versions of the code**: steps finished "
+            "earlier were kept when the code changed")
+    return ({"code_commits": commits, "seeds": seeds},
+            f"{line} (`docs/claims.json`: `{paper}.code_commits`, `{paper}.seeds`).")
 
 
 def pyplot():
@@ -63,6 +92,8 @@ def write(docs_dir, paper, markdown, record, figures=()):
         shutil.copyfile(path, os.path.join(docs_dir, "claims_" + os.path.basename(path)))
     md_path = os.path.join(docs_dir, "CLAIMS.md")
     old = open(md_path, encoding="utf-8").read() if os.path.exists(md_path) else HEADER
+    first = old.find("<!-- claims:")
+    old = HEADER.rstrip("\n") + "\n\n" + (old[first:] if first >= 0 else "")  # the header as the code says
     section = f"{begin(paper)}\n{markdown.strip()}\n{end(paper)}\n"
     pat = re.compile(re.escape(begin(paper)) + r".*?" + re.escape(end(paper)) + r"\n?", re.S)
     new = pat.sub(lambda m: section, old) if pat.search(old) else old.rstrip("\n") + "\n\n" + section

@@ -89,62 +89,90 @@ def _bleu(v):
         f"bleu_{s}_{d}_signature": sig for s in ("valid", "test") for d in ("greedy", "beam4")}
 
 
-def _sat_report(tmp_path, bleus):
-    """The SAT report from fabricated results: K -> test/valid BLEU of the distilled student."""
+def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True):
+    """The SAT report from fabricated results: K -> test/valid BLEU of the distilled and the real-target student."""
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w")])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
-    students = [f"sat-k{K}" for K in bleus] + ["sat-k2-init-paper", "sat-k2-nokd", "sat-k4-nokd"]
+    students = [f"sat-k{K}-{r}" for K in kd for r in ("kd", "real")]
+    curve = [(500, 5.0), (1000, 4.5), (4000, 4.2), (8000, 4.19 if flat else 4.0)]
     for n in students:
-        K = int(n.split("-")[1][1:])
-        S.results[n] = {"updates": 1000 * K, "minutes": 10.0}
-        S.results[f"{n}-eval"] = _bleu(bleus[K] - (2.0 if n.endswith("nokd") else 0.0))
-    S.results["sat-teacher-eval"] = _bleu(20.0)
+        K, recipe = int(n.split("-")[1][1:]), n.split("-")[2]
+        S.results[n] = {"updates": 8000, "minutes": 10.0, "valid_curve": curve, "seed": "1",
+                        "code_commit": "abc" if K < 6 else "def"}
+        S.results[f"{n}-eval"] = _bleu((kd if recipe == "kd" else real)[K])
+    S.results["sat-teacher"] = {"updates": 10000, "minutes": 30.0, "valid_curve": curve, "seed": "1"}
+    S.results["sat-teacher-eval"] = _bleu(teacher)
     S.results["sat-kd-beam4"] = {"pairs": 100}
     S.results["sat-speed"] = {"ms": [{"label": lab, "beam": b, "ms": ms * b} for lab, ms in
                                      [("teacher, fairseq's generator", 60.0), ("teacher, ours", 30.0),
                                       ("K=1", 24.0), ("K=2", 12.0), ("K=4", 8.0), ("K=6", 6.0)] for b in (1, 4)]}
     S.results["sat-fig6"] = {"models": [{"label": "SAT K=2", "by_position_in_group": [2.0, 3.0]}]}
     S.results["sat-repeats"] = {"files": [{"K": K, "repeats_inside_groups": K, "pairs_inside": 100,
-                                           "repeats_across_groups": 1, "pairs_across": 100} for K in bleus]}
+                                           "repeats_across_groups": 1, "pairs_across": 100} for K in kd]}
     png = tmp_path / "w" / "sat_position_ce.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     png.write_bytes(b"\x89PNG")
     ctx = type("Ctx", (), {"S": S, "args": args})()
-    outcome = {"students": students, "init": "decoder", "lr": 0.003, "pilots": {"sat-pilot-decoder-lr0.003": 9.0}}
+    outcome = {"students": students, "chosen": {"kd": {"init": "decoder", "lr": 0.001},
+                                                "real": {"init": "paper", "lr": 0.002}},
+               "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
+               "teacher_trained": True}
     claims_sat.report(ctx, outcome)
     docs = tmp_path / "docs"
     return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
 
 
-def test_sat_report_ratios_and_verdict_follow_the_results(tmp_path):
-    rec, md = _sat_report(tmp_path / "miss", {1: 20.0, 2: 18.0, 4: 15.0, 6: 10.0})
-    assert rec["ratio_to_teacher"] == {"2": 0.9, "4": 0.75, "6": 0.5}
-    assert rec["verdict"] == "not reproduced" and "90% / 75% / 50%" in rec["reason"]
-    assert "+2.00 at K = 2" in rec["reason"]  # distilled minus real-target student, valid beam 4
-    assert "| K=2 | 12.0 | 48.0 | 2.00x | 2.00x | 5.00x | 5.00x | 1.51x |" in md
-    assert (tmp_path / "miss" / "docs" / "claims_sat_position_ce.png").exists()
-    rec, _ = _sat_report(tmp_path / "hit", {1: 20.0, 2: 19.6, 4: 18.8, 6: 17.8})
+def test_sat_report_takes_the_better_recipe_per_k_and_says_why(tmp_path):
+    # K=2 meets 97% only through its real-target student; K=4 misses 90% with both: partly reproduced
+    rec, md = _sat_report(tmp_path / "part", kd={1: 20.0, 2: 18.0, 4: 17.0, 6: 10.0},
+                          real={1: 19.0, 2: 19.6, 4: 15.0, 6: 12.0})
+    assert rec["ratio_to_teacher"] == {"2": 0.98, "4": 0.85, "6": 0.6}
+    assert rec["ratio_to_teacher_by_recipe"]["2"] == {"kd": 0.9, "real": 0.98}
+    assert rec["verdict"] == "partly reproduced"
+    assert "K = 2: 98% of the teacher's test BLEU (distilled 90% / real 98%; target 97%, met)" in rec["reason"]
+    assert "K = 4: 85% of the teacher's test BLEU (distilled 85% / real 75%; target 90%, missed)" in rec["reason"]
+    assert "-1.60 at K = 2" in rec["reason"]  # distilled minus real-target student, valid beam 4
+    assert "| K=2 | 12.0 | 48.0 | 2.00x | 2.00x | 5.00x | 5.00x | 2.28x |" in md  # beside the paper's CPU Table 5
+    assert "| K=4, real targets | 15.00 | 15.00 | 15.00 | 15.00 | 8000 | 0.2% | 75% | - |" in md
+    # two code versions among the results: said in the section, listed in claims.json
+    assert rec["code_commits"] == ["abc", "def", "unknown"] and "come from 3 versions of the code" in md
+    assert rec["students"]["sat-k2-kd"]["seed"] == "1"
+    assert (tmp_path / "part" / "docs" / "claims_sat_position_ce.png").exists()
+    rec, _ = _sat_report(tmp_path / "hit", kd={1: 20.0, 2: 19.6, 4: 18.8, 6: 17.8}, real={1: 19, 2: 19, 4: 17, 6: 15})
     assert rec["verdict"] == "reproduced" and rec["ratio_to_teacher"]["6"] == 0.89
+    rec, _ = _sat_report(tmp_path / "miss", kd={1: 20.0, 2: 18.0, 4: 15.0, 6: 10.0}, real={1: 19, 2: 18, 4: 14, 6: 9})
+    assert rec["verdict"] == "not reproduced"
+
+
+def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_falling(tmp_path):
+    rec, md = _sat_report(tmp_path, kd={1: 21.0, 2: 19.6, 4: 18.8}, real={1: 20.5, 2: 19.0, 4: 17.0}, flat=False)
+    assert "The K = 1 student reaches 105% of the teacher, above it: the teacher had not converged" in rec["reason"]
+    assert "Still falling in the last 20% of their updates (>= 1% valid loss): the teacher, sat-k1-kd" \
+        in rec["reason"]
+    assert "4.8% (still falling)" in md
 
 
 def test_msc_verdict_follows_the_issue_targets():
     def bleu(**kw):  # VARIANTDEPTH=BLEU
         return {(k.rstrip("0123456789"), int(k.lstrip("abcdefghijklmnopqrstuvwxyz"))): v for k, v in kw.items()}
 
-    assert claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21, msc24=21.5), [6, 24])[0] \
-        == "reproduced"  # +0.5 over pre-norm-24, +1.0 over the best 6-layer model
-    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post24=15, pre24=21.1, msc24=21.5), [6, 24])
-    assert v == "not reproduced" and "MSC 21.50, pre-norm 21.10" in reason
-    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=21, post24=10, pre24=19, msc24=20.9), [6, 24])
-    assert v == "not testable at this scale" and "msc -0.10" in reason
+    assert claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post12=15, pre12=20, msc12=21.0), [6, 12])[0] \
+        == "reproduced"  # +1.0 over pre-norm-12 and above MSC-6
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=20.5, post12=15, pre12=20.1, msc12=21.0), [6, 12])
+    assert v == "partly reproduced" and "Holds: MSC-12 >= MSC-6. Missed: MSC-12 >= pre-norm-12 + 1.0" in reason
+    # no encoder gains from depth: MSC failing its targets still reads "not reproduced" (the rule is not circular)
+    v, reason = claims_msc.verdict(bleu(post6=20, pre6=20, msc6=21, post12=10, pre12=19, msc12=19.5), [6, 12])
+    assert v == "not reproduced" and "msc -1.50" in reason
 
 
 def test_convs2s_verdict_needs_every_control_beaten():
-    assert claims_convs2s.verdict(20.0, 18.0, 19.0, (19.5, 17.0))[0] == "reproduced"
-    v, reason = claims_convs2s.verdict(20.0, 18.0, 20.5, (19.5, 17.0))
-    assert v == "not reproduced" and "multi-step attention: -0.50" in reason and "equal minutes: +2.50" in reason
-    assert claims_convs2s.verdict(20.0, 21.0, 19.0, None)[1].startswith("Not above its control at equal updates")
+    assert claims_convs2s.verdict(20.0, 18.0, 19.0, (19.5, 17.0), speedup=6.0)[0] == "reproduced"
+    v, reason = claims_convs2s.verdict(20.0, 18.0, 20.5, (19.5, 17.0), speedup=3.0)
+    assert v == "partly reproduced" and "Missed: ConvS2S >= 5x the LSTM's CPU translation speed" in reason
+    assert "multi-step attention: -0.50" in reason and "equal minutes: +2.50" in reason
+    v, reason = claims_convs2s.verdict(20.0, 21.0, 19.0, None)
+    assert v == "not reproduced" and reason.startswith("Missed: ConvS2S >= LSTM at equal updates")
 
 
 def _bert_jam_report(tmp_path, bleus):
@@ -178,11 +206,11 @@ def _bert_jam_report(tmp_path, bleus):
 
 def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     base = {"0.1": 5.0, "0.3": 6.0}
-    rec, md = _bert_jam_report(tmp_path / "miss", {2000: (base, [7.0, 8.0, 9.5, 8.5]),
-                                                   8000: ({"0.1": 12.0, "0.3": 11.0}, [12.0, 13.0, 14.0, 13.5])})
+    rec, md = _bert_jam_report(tmp_path / "met", {2000: (base, [7.0, 8.0, 9.5, 8.5]),
+                                                  8000: ({"0.1": 12.0, "0.3": 11.0}, [12.0, 13.0, 14.0, 13.5])})
     assert rec["gap_test"] == {"2000": 3.5, "8000": 2.0} and rec["phase3_minus_control_test"]["2000"] == 1.0
-    assert rec["verdict"] == "not reproduced" and "Missed at 8000 verses" in rec["reason"]
-    assert rec["not_run"] == [29080] and "29080 verses (target +0.0)" in rec["reason"]
+    assert rec["verdict"] == "reproduced" and "Every size run meets its target" in rec["reason"]
+    assert rec["not_run"] == [] and rec["targets"] == {"2000": 1.0, "8000": 1.0}
     assert rec["sizes"]["8000"]["baseline"] == {"dropout": 0.1, "valid_beam4": 13.0, "test_beam4": 12.0,
                                                 "valid_by_dropout": {"0.1": 13.0, "0.3": 12.0}}
     assert "| Transformer (chosen on valid) | 0.3 | 7.400 | 7.00 | 6.00 | 500 | plateau |" in md
@@ -200,8 +228,14 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
                                                  29080: (base, [5.0, 5.5, 6.0, 6.5])})
     assert rec["verdict"] == "reproduced" and rec["not_run"] == [] and rec["gap_test"]["29080"] == 0.0
     rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, [7.0, 8.0, 9.0, 8.5])})
-    assert rec["verdict"] == "not testable at this scale" and rec["not_run"] == [8000, 29080]
-    assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +3.0)" in rec["reason"]
+    assert rec["verdict"] == "partly reproduced" and rec["not_run"] == [8000]
+    assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +1.0)" in rec["reason"]
+    rec, _ = _bert_jam_report(tmp_path / "miss", {2000: (base, [7.0, 8.0, 6.5, 8.5]),
+                                                  8000: (base, [7.0, 8.0, 9.0, 8.5])})
+    assert rec["verdict"] == "partly reproduced" and "Missed at 2000 verses" in rec["reason"]
+    rec, _ = _bert_jam_report(tmp_path / "none", {2000: (base, [7.0, 8.0, 6.5, 8.5]),
+                                                  8000: (base, [7.0, 8.0, 6.0, 8.5])})
+    assert rec["verdict"] == "not reproduced"
 
 
 def test_update_walls_counts_a_resumed_process_by_its_timestamps(tmp_path):
