@@ -124,6 +124,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import fairseq_ext  # noqa: F401  (error hook, registration)
-
     main()

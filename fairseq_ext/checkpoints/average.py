@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-from fairseq_ext import checkpoints
+from fairseq_ext.checkpoints.loading import load_checkpoint_file
+from fairseq_ext.checkpoints.saving import atomic_torch_save
 from fairseq_ext.common.errors import FairseqExtError, command
 
 
@@ -32,7 +33,7 @@ def average_checkpoints(inputs):
         raise FairseqExtError("average_checkpoints: no input checkpoints")
     sums, keys, new_state = collections.OrderedDict(), None, None
     for path in inputs:
-        state = checkpoints.load_checkpoint_file(path)
+        state = load_checkpoint_file(path)
         if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
             raise FairseqExtError(f"average_checkpoints: {path} has no 'model' dict of weights; is it a fairseq "
                                   "checkpoint? leave it out of --inputs")
@@ -122,7 +123,7 @@ def main(argv=None):
     print("averaging checkpoints:", *inputs, sep="\n  ")
     state = average_checkpoints(inputs)
     try:
-        checkpoints.atomic_torch_save(state, args.output)
+        atomic_torch_save(state, args.output)
     except (OSError, RuntimeError) as exc:  # e.g. no permission, disk full (torch reports some as RuntimeError)
         raise FairseqExtError(f"average_checkpoints: cannot write --output {args.output} ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); nothing was written there")

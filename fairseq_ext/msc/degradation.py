@@ -62,8 +62,6 @@ def sample_bleu(checkpoint, args, subset, sample, seed):
     import torch
     from fairseq import checkpoint_utils, utils
 
-    import fairseq_ext  # noqa: F401
-
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         [checkpoint], arg_overrides={"data": args.data})
     model = models[0].eval()

@@ -42,8 +42,6 @@ def position_ce(path, data, split, source_lang=None, target_lang=None, max_token
     """Returns (K, label, ce_by_position[list], count_by_position, ce_by_group_position[list])."""
     from fairseq import checkpoint_utils, utils
 
-    import fairseq_ext  # noqa: F401  (registers the models and tasks)
-
     if not os.path.isfile(path):
         raise FairseqExtError(f"--path {path}: no such checkpoint")
     if not os.path.isdir(data):
