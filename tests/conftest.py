@@ -41,12 +41,23 @@ def tiny_transformer_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="session")
+def acts_bin(tmp_path_factory):
+    """The Acts test set (data/bible-de-en) encoded with the release's BPE and binarised with its dictionary."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "releases", "bible-de-en", "sat_transformer_k2.pt")):
+        pytest.skip("no releases/bible-de-en/sat_transformer_k2.pt")
+    from benchmarks.speed.speculative import acts_test_bin
+
+    return acts_test_bin(str(tmp_path_factory.mktemp("acts")))
+
+
 # Fixtures that train a model or run a pipeline through the fairseq command lines: every test that uses one is
 # part of the full suite only (`-m slow`), so that `pytest -m "not slow"` (the fast lane, README) stays a few
 # minutes of unit tests and in-process checks.
 TRAINING_FIXTURES = {
     "tiny_transformer_dir", "tiny_run", "run", "prepared", "genuine", "evil_transformer", "smoke", "server",
-    "data", "data_dir", "trained", "runs", "wheel", "interactive_runs",
+    "data", "data_dir", "trained", "runs", "wheel", "interactive_runs", "acts_bin",
 }
 
 

@@ -139,3 +139,26 @@ def assert_one_line_error(proc, *fragments):
     for fragment in fragments:
         assert fragment in lines[-1], lines[-1]
     return lines[-1]
+
+
+def legacy_checkpoint(state, **args):
+    """A copy of a checkpoint ``state`` with legacy ``args`` (what fairseq < 0.10 wrote): the flat args, no cfg;
+    ``args`` set on them."""
+    import copy
+
+    state = copy.deepcopy(state)
+    state["args"] = copy.deepcopy(state["cfg"]["model"])
+    state["cfg"] = None
+    for k, v in args.items():
+        setattr(state["args"], k, v)
+    return state
+
+
+def run_parallel(jobs, workers=2):
+    """{name: job()} for ``jobs`` ({name: a function of no arguments}), ``workers`` at a time (command lines that
+    wait on their child processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: f.result() for name, f in futures.items()}

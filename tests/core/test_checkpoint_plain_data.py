@@ -19,7 +19,7 @@ import torch
 import fairseq_ext  # noqa: F401
 from fairseq_ext.checkpoints import ConfigConversionError, UnsafeCheckpointError, load_checkpoint_file
 from tests.conftest import TINY_TRANSFORMER
-from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli, train_args
+from tests.helpers import ROOT, USER_DIR, assert_one_line_error, legacy_checkpoint, run_cli, train_args
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
 RELEASE = os.path.join(DE_EN, "transformer.pt")
@@ -228,19 +228,11 @@ def test_every_dtype_of_the_package_models_loads(release_state, tmp_path):
 
 # ---------------------------------------------------------------------- legacy args that fairseq cannot convert
 
-def _legacy(state, **args):
-    state = copy.deepcopy(state)
-    state["args"] = copy.deepcopy(state["cfg"]["model"])
-    state["cfg"] = None
-    for k, v in args.items():
-        setattr(state["args"], k, v)
-    return state
-
 
 @needs_release
 def test_a_legacy_value_that_is_not_a_literal_is_one_line_in_fairseq_interactive(release_state, release_data, tmp_path):
     """fairseq reads a non-string field of legacy args with ast.literal_eval: a SyntaxError traceback."""
-    path = _save(_legacy(release_state, max_tokens="not a literal"), tmp_path / "legacy.pt")
+    path = _save(legacy_checkpoint(release_state, max_tokens="not a literal"), tmp_path / "legacy.pt")
     proc = run_cli("interactive", [release_data, "--path", path, "--task", "translation", "--source-lang", "de",
                                    "--target-lang", "en", "--user-dir", USER_DIR, "--bpe", "sentencepiece",
                                    "--sentencepiece-model", os.path.join(DE_EN, "spm.model"), "--num-workers", "0"],
@@ -255,7 +247,7 @@ def test_a_legacy_value_that_is_not_a_literal_is_one_line_in_fairseq_interactive
 def test_legacy_values_fairseq_cannot_convert_are_named(release_state, tmp_path, field, value, error):
     from fairseq import checkpoint_utils
 
-    path = _save(_legacy(release_state, **{field: value}), tmp_path / "legacy.pt")
+    path = _save(legacy_checkpoint(release_state, **{field: value}), tmp_path / "legacy.pt")
     with pytest.raises(ConfigConversionError, match=re.escape(
             f"checkpoint {path}: config field args.{field} = {value!r} cannot be converted by fairseq ({error}")):
         checkpoint_utils.load_checkpoint_to_cpu(path)

@@ -68,11 +68,10 @@ def test_models_never_import_tasks():
 PAPERS = ("convs2s", "msc", "sat", "bert_jam")
 
 
-def _package_imports():
-    """{module: the fairseq_ext modules it imports, at any depth of its code} for every module of the package."""
+def _package_modules():
+    """(module name, its package, its parsed code) for every module of the package."""
     import ast
 
-    out = {}
     for folder, _, files in os.walk(USER_DIR):
         for name in files:
             if not name.endswith(".py"):
@@ -81,21 +80,30 @@ def _package_imports():
             rel = os.path.relpath(path, os.path.dirname(USER_DIR))[:-3].replace(os.sep, ".")
             module = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
             package = module if name == "__init__.py" else module.rsplit(".", 1)[0]
-            found = set()
-            for n in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                if isinstance(n, ast.ImportFrom):
-                    base = n.module or ""
-                    if n.level:  # relative: from the package, n.level - 1 levels up
-                        parts = package.split(".")
-                        base = ".".join(parts[: len(parts) - n.level + 1] + ([base] if base else []))
-                    is_package = os.path.isdir(os.path.join(os.path.dirname(USER_DIR), *base.split(".")))
-                    for a in n.names:  # from a package: the module it names, when it is one
-                        sub = os.path.join(os.path.dirname(USER_DIR), *base.split("."), a.name)
-                        found.add(f"{base}.{a.name}" if is_package and (os.path.isdir(sub) or os.path.isfile(
-                            sub + ".py")) else base)
-                elif isinstance(n, ast.Import):
-                    found.update(a.name for a in n.names)
-            out[module] = {m for m in found if m == "fairseq_ext" or m.startswith("fairseq_ext.")}
+            yield module, package, ast.parse(open(path, encoding="utf-8").read())
+
+
+def _package_imports():
+    """{module: the fairseq_ext modules it imports, at any depth of its code} for every module of the package."""
+    import ast
+
+    out = {}
+    for module, package, tree in _package_modules():
+        found = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:  # relative: from the package, n.level - 1 levels up
+                    parts = package.split(".")
+                    base = ".".join(parts[: len(parts) - n.level + 1] + ([base] if base else []))
+                is_package = os.path.isdir(os.path.join(os.path.dirname(USER_DIR), *base.split(".")))
+                for a in n.names:  # from a package: the module it names, when it is one
+                    sub = os.path.join(os.path.dirname(USER_DIR), *base.split("."), a.name)
+                    found.add(f"{base}.{a.name}" if is_package and (os.path.isdir(sub) or os.path.isfile(
+                        sub + ".py")) else base)
+            elif isinstance(n, ast.Import):
+                found.update(a.name for a in n.names)
+        out[module] = {m for m in found if m == "fairseq_ext" or m.startswith("fairseq_ext.")}
     return out
 
 
@@ -227,15 +235,9 @@ def test_no_private_name_is_imported_from_another_folder():
     import ast
 
     bad = []
-    for folder, _, files in os.walk(USER_DIR):
-        for name in files:
-            if not name.endswith(".py"):
-                continue
-            path = os.path.join(folder, name)
-            rel = os.path.relpath(path, os.path.dirname(USER_DIR))[:-3].replace(os.sep, ".")
-            own = _folder(rel[: -len(".__init__")] if rel.endswith(".__init__") else rel)
-            for n in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
-                if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("fairseq_ext."):
-                    if _folder(n.module) != own:
-                        bad += [f"{rel}: from {n.module} import {a.name}" for a in n.names if a.name.startswith("_")]
+    for module, _, tree in _package_modules():
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("fairseq_ext."):
+                if _folder(n.module) != _folder(module):
+                    bad += [f"{module}: from {n.module} import {a.name}" for a in n.names if a.name.startswith("_")]
     assert not bad, bad

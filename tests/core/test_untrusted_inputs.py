@@ -8,7 +8,6 @@ no test needs a training run. What only a command line shows (its input, output 
 ``fairseq-interactive``, two at a time in one module fixture; the rest through the hub, in this process.
 """
 
-import copy
 import hashlib
 import io
 import os
@@ -16,7 +15,6 @@ import re
 import shutil
 import tarfile
 import zipfile
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -25,7 +23,7 @@ import fairseq_ext  # noqa: F401
 from fairseq_ext.checkpoints import (ConfigConversionError, CorruptCheckpointError, UnsafeCheckpointError,
                                        load_checkpoint_file)
 from fairseq_ext.common.errors import FairseqExtError
-from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli
+from tests.helpers import ROOT, USER_DIR, assert_one_line_error, legacy_checkpoint, run_cli, run_parallel
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
 EN_DE = os.path.join(ROOT, "releases", "bible-en-de")
@@ -86,16 +84,6 @@ def _embedding_record(path):
         return max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size).filename
 
 
-def _legacy(state, **args):
-    """A checkpoint with legacy ``args`` (what fairseq < 0.10 wrote): the flat args, no cfg."""
-    state = copy.deepcopy(state)
-    state["args"] = copy.deepcopy(state["cfg"]["model"])
-    state["cfg"] = None
-    for k, v in args.items():
-        setattr(state["args"], k, v)
-    return state
-
-
 def _evil_bert(path, marker):
     """MiniLM's files (weights linked), with a config.json whose auto_map names code in the directory that creates
     ``marker`` when transformers imports it."""
@@ -132,7 +120,7 @@ def interactive_runs(tmp_path_factory):
 
     transformer, sat = os.path.join(DE_EN, "transformer.pt"), os.path.join(DE_EN, "sat_transformer_k2.pt")
     flip = flipped(sat, w / "exponent_flip.pt", _embedding_record(sat), 1, 0x40)  # a bit of an fp16 exponent
-    torch.save(_legacy(load_checkpoint_file(transformer), scoring=r"$\{oc.env:FAIRSEQ_EXT_TEST_SECRET\}"),
+    torch.save(legacy_checkpoint(load_checkpoint_file(transformer), scoring=r"$\{oc.env:FAIRSEQ_EXT_TEST_SECRET\}"),
                w / "legacy_secret.pt")
     marker = w / "auto_map_code_ran"
     evil_bert = _evil_bert(str(w / "evil_bert"), marker)
@@ -170,12 +158,7 @@ def interactive_runs(tmp_path_factory):
         "bert_no_flag": interactive(interactive_args(str(ende), os.path.join(EN_DE, "bert_jam.pt"), "translation_bert",
                                                      "en", "de", EN_DE), "The king.\n"),
     }
-    pool = ThreadPoolExecutor(2)
-    try:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        results = {name: f.result() for name, f in futures.items()}
-    finally:
-        pool.shutdown(wait=True)
+    results = run_parallel(jobs)
     return {"w": w, "results": results, "flip": flip, "marker": marker, "evil_bert": evil_bert, "cache": cache,
             "compiled": compiled}
 
@@ -325,7 +308,7 @@ def test_registry_fields_of_legacy_args_must_be_plain_names(tmp_path, field, val
     from fairseq import checkpoint_utils
 
     path = str(tmp_path / "legacy.pt")
-    torch.save(_legacy(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt")), **{field: value}), path)
+    torch.save(legacy_checkpoint(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt")), **{field: value}), path)
     with pytest.raises(UnsafeCheckpointError, match=rf"config field args\.{field} = .* is not a registry name"):
         checkpoint_utils.load_checkpoint_to_cpu(path)
 
@@ -337,13 +320,13 @@ def test_hydra_failures_are_reported_as_such_without_their_message(tmp_path, mon
 
     monkeypatch.setenv("FAIRSEQ_EXT_TEST_SECRET", SECRET)
     path = str(tmp_path / "legacy.pt")
-    torch.save(_legacy(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt")), post_process="a\\"), path)
+    torch.save(legacy_checkpoint(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt")), post_process="a\\"), path)
     with pytest.raises(ConfigConversionError, match=rf"checkpoint {re.escape(path)}: fairseq could not turn its legacy "
                                                     r"args into a config \(Hydra/OmegaConf \w+\)") as e:
         checkpoint_utils.load_checkpoint_to_cpu(path)
     assert "LexerNoViableAlt" not in str(e.value) and "common_eval" not in str(e.value)
     # a genuine legacy checkpoint still loads
-    torch.save(_legacy(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt"))), path)
+    torch.save(legacy_checkpoint(load_checkpoint_file(os.path.join(DE_EN, "transformer.pt"))), path)
     assert checkpoint_utils.load_checkpoint_to_cpu(path)["cfg"].model.arch == "transformer"
 
 

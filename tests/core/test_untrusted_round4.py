@@ -14,12 +14,11 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from benchmarks.claims import jobs as claims_jobs
-from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli, run_module
+from tests.helpers import ROOT, USER_DIR, assert_one_line_error, run_cli, run_module, run_parallel
 
 DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
 LOCK = ".fairseq-train.lock"  # fairseq_ext/checkpoints/save_dir_lock.py
@@ -96,12 +95,9 @@ def cli(tmp_path_factory):
                                    check=False),
         "train_locked": train,
     }
-    pool = ThreadPoolExecutor(2)
     try:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        results = {name: f.result() for name, f in futures.items()}
+        results = run_parallel(jobs)
     finally:
-        pool.shutdown(wait=True)
         holder.stdin.close()
         holder.wait()
     return {"w": w, "results": results, "holder": holder.pid}

@@ -371,13 +371,8 @@ RELEASE = os.path.join(ROOT, "releases", "bible-de-en")
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """The Acts test set (data/bible-de-en) encoded with the release's BPE and binarised with its dictionary."""
-    if not os.path.isfile(os.path.join(RELEASE, "sat_transformer_k2.pt")):
-        pytest.skip("no releases/bible-de-en/sat_transformer_k2.pt")
-    from benchmarks.speed.speculative import acts_test_bin
-
-    return acts_test_bin(str(tmp_path_factory.mktemp("acts")))
+def data(acts_bin):
+    return acts_bin
 
 
 def test_every_acts_test_verse_is_the_release_transformers_greedy_output(data):
