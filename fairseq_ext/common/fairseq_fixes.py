@@ -502,7 +502,7 @@ def fix_invalid_size_traceback():
                 f"{first + 1}) is longer than allowed ({_too_long(size, max_positions)} tokens with EOS){more}: "
                 "shorten or remove it, raise --max-source-positions / "
                 "--max-target-positions (up to the model's own limit), or pass "
-                "--skip-invalid-size-inputs-valid-test to leave them out (they are then not translated or scored)"
+                "--skip-invalid-size-inputs-valid-test to leave them out of this split"
             ) from None
 
     filter_indices_by_size._fairseq_ext_wrapped = True
