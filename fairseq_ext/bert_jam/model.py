@@ -19,7 +19,9 @@ Read beside Section 2 of the paper:
   frozen BERT runs under ``torch.no_grad()`` and is not saved (phase 1-2 checkpoints record the content hash of
   the pre-trained weights and reload them from ``--bert-model-name``); the encoder also accepts BERT's
   precomputed features (``bert_out``, from ``--bert-feature-cache``) instead of running it.
-* ablations of Table 7: ``--bert-composition linear`` (M1: sum_i alpha_i B_i, no gate) and ``last`` (M2: B_L).
+* ablations of Table 7: ``--bert-composition linear`` (M1: sum_i alpha_i B_i, no gate) and ``last`` (M2: B_L);
+  and of the decoder (not in the paper): ``--bert-jam-decoder standard``, fairseq's transformer decoder on the same
+  joint encoder, which separates what Eq. 10's decoder costs or buys from the encoder's joint attention.
 
 Use with ``--task translation_bert --bert-model-name DIR`` (see :mod:`fairseq_ext.bert_jam.task`).
 """
@@ -63,6 +65,7 @@ from fairseq_ext.common.decoder_features import decoder_output, embed_decoder_in
 logger = logging.getLogger(__name__)
 
 COMPOSITIONS = ("glu", "linear", "last")
+DECODERS = ("joint", "standard")  # --bert-jam-decoder: the paper's Eq. 10 decoder, or fairseq's (the ablation)
 
 
 def Linear(in_features, out_features, bias=True, gain=1.0):
@@ -554,6 +557,11 @@ class BertJamModel(TransformerModel):
         parser.add_argument("--bert-composition", choices=COMPOSITIONS,
                             help="how each layer composes BERT's layers: glu (Eq. 8), linear (ablation M1: "
                                  "weighted sum, no gate), last (ablation M2: last BERT layer only)")
+        parser.add_argument("--bert-jam-decoder", choices=DECODERS,
+                            help="joint (default): the paper's decoder, one joint attention over [source; "
+                                 "history] and over the composed BERT layers (Eq. 10); standard: fairseq's "
+                                 "transformer decoder layers (self-attention, then attention over the joint "
+                                 "encoder's output), the ablation that isolates the decoder")
         parser.add_argument("--bert-dropnet", type=float, metavar="P",
                             help="drop-net of the official code in the decoder while training: with "
                                  "probability P each branch alone (0 = Eq. 10's mean always; at most 0.5)")
@@ -563,6 +571,8 @@ class BertJamModel(TransformerModel):
         bert_jam_base_architecture(args)
         if not 0.0 <= args.bert_dropnet <= 0.5:
             raise FairseqExtError(f"--bert-dropnet {args.bert_dropnet}: must be in [0, 0.5]")
+        if args.bert_jam_decoder not in DECODERS:
+            raise FairseqExtError(f"--bert-jam-decoder {args.bert_jam_decoder!r}: choose from {', '.join(DECODERS)}")
         name = getattr(getattr(task, "cfg", None), "bert_model_name", None) or getattr(args, "bert_model_name", None)
         if not name:
             raise FairseqExtError("--arch bert_jam* needs --task translation_bert --bert-model-name DIR (a "
@@ -602,7 +612,10 @@ class BertJamModel(TransformerModel):
             check_input_settings(saved, meta, "the BERT input settings saved in the checkpoint",
                                  f"what --bert-model-name {name} gives now")
         args.bert_input_meta = meta
-        decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)
+        if args.bert_jam_decoder == "joint":
+            decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)
+        else:  # the ablation: fairseq's own decoder on the same joint encoder
+            decoder = TransformerDecoderBase(cfg, tgt_dict, decoder_embed, no_encoder_attn=False)
         return cls(args, encoder, decoder)
 
     def compositions(self):
@@ -655,6 +668,7 @@ def bert_jam_base_architecture(args):
     args.bert_jam_phase = getattr(args, "bert_jam_phase", None) or 1
     args.bert_composition = getattr(args, "bert_composition", None) or "glu"
     args.bert_dropnet = getattr(args, "bert_dropnet", None) or 0.0
+    args.bert_jam_decoder = getattr(args, "bert_jam_decoder", None) or "joint"
     transformer_base_architecture(args)
 
 

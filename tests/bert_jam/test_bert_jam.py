@@ -182,9 +182,11 @@ def test_bad_input_errors_name_the_flag(tiny_bert, tmp_path):
 
 # ------------------------------------------------------------------------------------------------ decoding
 
-@pytest.mark.parametrize("composition", ["glu", "linear", "last"])
-def test_incremental_decoding_equals_full_pass_and_reorder(tiny_bert, composition):
-    model, d = build(tiny_bert, phase=2, composition=composition)
+@pytest.mark.parametrize("composition,decoder", [("glu", "joint"), ("linear", "joint"), ("last", "joint"),
+                                                 ("glu", "standard")])
+def test_incremental_decoding_equals_full_pass_and_reorder(tiny_bert, composition, decoder):
+    model, d = build(tiny_bert, phase=2, composition=composition, bert_jam_decoder=decoder)
+    assert (type(model.decoder).__name__ == "BertJamDecoder") == (decoder == "joint")
     model.eval()
     with torch.no_grad():  # make the GLUs non-trivial
         for comp in model.compositions():

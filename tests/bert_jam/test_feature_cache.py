@@ -243,7 +243,11 @@ def test_build_is_atomic_and_done_once_when_two_start_at_once(letters_bin, tiny_
 
 
 @pytest.mark.slow
-def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_path):
+@pytest.mark.parametrize("decoder", ["joint", "standard"])
+def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_path, decoder):
+    """Phase 1 on the feature cache through fairseq-train, then fairseq-generate; with the paper's decoder and with
+    fairseq's (--bert-jam-decoder standard), which the checkpoint records."""
+    from fairseq_ext.checkpoints import load_checkpoint_file
     from tests.helpers import ROOT, hypotheses, run_cli, train_args
 
     d = str(tmp_path / "bin")
@@ -255,7 +259,7 @@ def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_
     train = run_cli("train", train_args(d, "bert_jam", model + [
         "--bert-model-name", tiny_bert, "--bert-jam-phase", "1", "--bert-feature-cache", cache,
         "--max-update", "3", "--max-epoch", "3", "--save-dir", f"{d}/ckpt", "--no-epoch-checkpoints",
-        "--optimizer", "adam", "--lr", "0.001"], task="translation_bert")).stdout
+        "--optimizer", "adam", "--lr", "0.001", "--bert-jam-decoder", decoder], task="translation_bert")).stdout
     assert "BERT feature cache: computing last layer(s)" in train
     assert sorted(f for f in os.listdir(cache) if not f.startswith(".")) == [
         "train.json", "train.npy", "valid.json", "valid.npy"]
@@ -264,6 +268,12 @@ def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_
                                "--gen-subset", "test", "--beam", "2", "--max-len-b", "5", "--batch-size", "8",
                                "--num-workers", "0"]).stdout
     assert len(hypotheses(gen)) == 20
+    state = load_checkpoint_file(f"{d}/ckpt/checkpoint_last.pt")
+    assert state["cfg"]["model"].bert_jam_decoder == decoder
+    layer_keys = [k for k in state["model"] if k.startswith("decoder.layers.0.")]
+    # the paper's layer: composed BERT layers and a joint attention over them; fairseq's: self-attention
+    assert any(".bert_attn." in k for k in layer_keys) == (decoder == "joint")
+    assert any(".self_attn." in k for k in layer_keys) == (decoder == "standard")
 
 
 @pytest.mark.parametrize("recipe", ["iwslt14_de_en", "wmt14_en_de"])
