@@ -7,30 +7,33 @@ attention from all but the top layer costs BLEU).
 
 Here: ``fconv_glu`` (4 + 3 GLU convolutions of width ``--dim``, kernel 3: the quickstart's) against fairseq's ``lstm``
 with attention of similar size (a bidirectional LSTM encoder and an LSTM decoder of hidden size 2 * ``--dim``, shared
-embeddings), and ``fconv_glu`` with attention in its last decoder layer only. Each trains with its own optimiser (the
-quickstart's NAG for ConvS2S as in the paper; adam for the LSTM, its learning rate chosen by short pilots on the
-valid set) for the same number of updates of the same batches (tokens), two at a time, one thread each, so their
-wall clocks compare; interval checkpoints give the equal-minutes comparison (each model at the largest checkpoint
-it reached within the minutes the faster one needed for all its updates).
+embeddings), and ``fconv_glu`` with attention in its last decoder layer only. Tuned alike: each model's learning
+rate from the same number of pilots of the same length at the same batch size (1,024 tokens), on valid greedy BLEU
+(NAG for ConvS2S as in the paper, adam for the LSTM). Then each trains the same fixed number of updates of the same
+batches (no early stopping), two at a time, one thread each, so their wall clocks compare, and is evaluated on its
+best checkpoint by valid loss (both train on the real targets); interval checkpoints give the equal-minutes
+comparison. Translation speed, the paper's headline (Table 3), is timed for both on one CPU thread at batch 1 and
+64, greedy and beam 4.
 """
 
 import os
 
 from . import report as R
-from .common import adam_args, eval_job, plateau_args, train_job, trained, update_walls
+from .common import adam_args, eval_job, fixed_budget_args, flattened, train_job, trained, update_walls
 from .jobs import Job
 from .report import pyplot, save_figure
 
 PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
          "en_de": {"convs2s": 25.16, "gnmt_lstm": 24.61},  # Table 1: WMT'14 En-De, ConvS2S vs GNMT (word-piece LSTM)
          "attention_last_layer_only_delta": -0.3}  # Table 5 on WMT'16 En-Ro: attention only in the top decoder layer
-LSTM_LRS = (0.001, 0.003)
+LRS = {"fconv": (0.1, 0.25, 0.5), "lstm": (0.0005, 0.001, 0.003)}  # the same number of pilots for each
+SPEED_TARGET = 5.0  # ConvS2S over the LSTM, CPU: the geometric mean over batch 1 / 64 and greedy / beam 4
 
 
 def options(p):
     g = p.add_argument_group("convs2s")
-    g.add_argument("--convs2s-updates", type=int, default=3000, help="updates of every model (default 3000)")
-    g.add_argument("--convs2s-pilot-updates", type=int, default=600, help="updates of each LSTM pilot (600)")
+    g.add_argument("--convs2s-updates", type=int, default=8000, help="updates of every model (default 8000)")
+    g.add_argument("--convs2s-pilot-updates", type=int, default=800, help="updates of each pilot (default 800)")
 
 
 def smoke(a):
@@ -44,14 +47,17 @@ class ConvS2S:
     def common(self, updates):
         interval = 10 if self.a.smoke else 250
         return ["--task", "translation", "--source-lang", "de", "--target-lang", "en", "--max-tokens", "1024",
-                *plateau_args(updates, interval=interval, patience=1000, keep=1000)]
+                *fixed_budget_args(updates, interval=interval, keep=1000)]
 
-    def fconv(self, attention="True"):
+    def model(self, kind, lr, attention="True"):
+        return self.fconv(lr, attention) if kind == "fconv" else self.lstm(lr)
+
+    def fconv(self, lr=0.25, attention="True"):
         d = self.a.dim
         return ["--arch", "fconv_glu", "--encoder-embed-dim", str(d), "--encoder-layers", f"[({d}, 3)] * 4",
                 "--decoder-embed-dim", str(d), "--decoder-layers", f"[({d}, 3)] * 3", "--decoder-out-embed-dim",
                 str(d), "--decoder-attention", attention, "--share-input-output-embed", "--dropout", "0.0",
-                "--optimizer", "nag", "--lr", "0.25", "--clip-norm", "0.1", "--lr-scheduler", "fixed",
+                "--optimizer", "nag", "--lr", str(lr), "--clip-norm", "0.1", "--lr-scheduler", "fixed",
                 "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
 
     def lstm(self, lr):
@@ -62,28 +68,48 @@ class ConvS2S:
                 "--decoder-attention", "1", *adam_args(lr, warmup=200, attention_dropout=False)]
         return argv
 
+    def pilots(self):
+        S, a = self.S, self.a
+        names = []
+        for kind, lrs in LRS.items():
+            for lr in lrs:
+                name = f"convs2s-{kind}-pilot-lr{lr}"
+                S.add(train_job(name, S, self.corpus.bin, self.model(kind, lr) + self.common(a.convs2s_pilot_updates),
+                                ["data"], {}, what=f"{kind} pilot, lr {lr}"))
+                S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                               [("valid", 1)], [name]))
+                names.append(name)
+        S.run_all([f"{n}-eval" for n in names])
+        scored = {n: S.result(f"{n}-eval")["bleu_valid_greedy"] for n in names}
+        chosen = {kind: float(max((b, n) for n, b in scored.items() if n.startswith(f"convs2s-{kind}-"))[1]
+                              .rsplit("lr", 1)[1]) for kind in LRS}
+        self.ctx.say("convs2s: pilots on valid (greedy BLEU): " + ", ".join(f"{n[8:]} {b:.2f}" for n, b in
+                                                                          scored.items())
+                     + " -> " + ", ".join(f"{k} lr {lr}" for k, lr in chosen.items()))
+        return chosen, scored
+
     def run(self):
         S, a = self.S, self.a
-        pilots = []
-        for lr in LSTM_LRS:
-            name = f"convs2s-lstm-pilot-lr{lr}"
-            S.add(train_job(name, S, self.corpus.bin, self.lstm(lr) + self.common(a.convs2s_pilot_updates), ["data"],
-                            {}, what=f"LSTM pilot, lr {lr}"))
-            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
-                           [("valid", 1)], [name]))
-            pilots.append(name)
-        S.run_all([f"{n}-eval" for n in pilots])
-        scored = sorted(((S.result(f"{n}-eval")["bleu_valid_greedy"], n) for n in pilots), reverse=True)
-        lr = float(scored[0][1].rsplit("lr", 1)[1])
-        self.ctx.say("convs2s: LSTM pilots on valid (greedy BLEU): " + ", ".join(f"lr {n.rsplit('lr', 1)[1]} {b:.2f}"
-                                                                               for b, n in scored) + f" -> lr {lr}")
-        runs = {"convs2s-fconv": self.fconv("True"), "convs2s-lstm": self.lstm(lr),
-                "convs2s-fconv-lastattn": self.fconv("[False, False, True]")}
+        chosen, scored = self.pilots()
+        runs = {"convs2s-fconv": self.fconv(chosen["fconv"]), "convs2s-lstm": self.lstm(chosen["lstm"]),
+                "convs2s-fconv-lastattn": self.fconv(chosen["fconv"], "[False, False, True]")}
         for name, argv in runs.items():
             S.add(train_job(name, S, self.corpus.bin, argv + self.common(a.convs2s_updates), ["data"], {},
                             what=name[8:]))
-            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
-                           [("valid", 4), ("test", 1), ("test", 4)], [name]))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: os.path.join(S.W, "checkpoints", n,
+                                                                             "checkpoint_best.pt"),
+                           self.corpus, [("valid", 4), ("test", 1), ("test", 4)], [name]))
+
+        def speed(job, S):
+            models = [{"label": n[8:], "ckpt": os.path.join(S.W, "checkpoints", n, "checkpoint_best.pt"),
+                       "task": "translation"} for n in ("convs2s-fconv", "convs2s-lstm")]
+            return S.worker("speed", {"models": models, "bin_dir": self.corpus.bin, "src": "de", "tgt": "en",
+                                      "sentences": 16 if a.smoke else 256, "repeat": 1 if a.smoke else 3,
+                                      "batches": [1, 64]}, S.log("convs2s-speed"), threads=1)
+
+        S.add(Job("convs2s-speed", speed, {"sentences": 256, "repeat": 3, "batches": [1, 64]},
+                  ["convs2s-fconv", "convs2s-lstm", "data"], exclusive=True,
+                  what="translation speed, one thread, batch 1 and 64 (runs alone)"))
 
         def equal_minutes(job, S):
             """The checkpoint of each model at the minutes the faster of fconv / lstm needed for all its updates."""
@@ -107,8 +133,8 @@ class ConvS2S:
 
         S.add(Job("convs2s-equal-minutes", equal_minutes, {}, ["convs2s-fconv", "convs2s-lstm", "data"],
                   what="each model at the minutes the faster needed"))
-        S.run_all([f"{n}-eval" for n in runs] + ["convs2s-equal-minutes"])
-        return {"lstm_lr": lr, "pilots": {n: b for b, n in scored}}
+        S.run_all([f"{n}-eval" for n in runs] + ["convs2s-equal-minutes", "convs2s-speed"])
+        return {"lr": chosen, "pilots": scored}
 
 
 def verdict(fconv, lstm, last, minutes, speedup=None):
@@ -149,22 +175,39 @@ def plot(S, labels, png):
     save_figure(fig, png)
 
 
+def speedup(ms):
+    """ConvS2S over the LSTM: per (batch, beam) the LSTM's ms per sentence over ConvS2S's, and their geometric
+    mean (the figure the target reads, fixed before any run)."""
+    import math
+
+    by = {}
+    for m in ms:
+        by.setdefault((m["batch"], m["beam"]), {})[m["label"]] = m["ms"]
+    ratios = {k: v["lstm"] / v["fconv"] for k, v in sorted(by.items()) if "lstm" in v and "fconv" in v}
+    gmean = math.exp(sum(math.log(r) for r in ratios.values()) / len(ratios)) if ratios else None
+    return by, ratios, gmean
+
+
 def report(ctx, outcome):
     """docs/CLAIMS.md's ConvS2S section and claims.json's ``convs2s``."""
     S, a = ctx.S, ctx.args
-    labels = {"convs2s-fconv": "fconv_glu (attention in every decoder layer)",
-              "convs2s-lstm": f"lstm with attention (lr {outcome['lstm_lr']})",
+    lr = outcome["lr"]
+    labels = {"convs2s-fconv": f"fconv_glu (attention in every decoder layer, lr {lr['fconv']})",
+              "convs2s-lstm": f"lstm with attention (lr {lr['lstm']})",
               "convs2s-fconv-lastattn": "fconv_glu, attention in the last decoder layer only"}
     rows, rec = [], {}
     for n, label in labels.items():
         tr, ev = trained(S, n), S.result(f"{n}-eval")
+        gain, flat = flattened(tr.get("valid_curve", []))
         rows.append([label, f"{ev.get('params', 0) / 1e6:.2f}", R.fmt(ev["bleu_valid_beam4"]),
                      R.fmt(ev["bleu_test_greedy"]), R.fmt(ev["bleu_test_beam4"]), tr["updates"],
-                     f"{tr['train_tokens_per_s']:.0f}", f"{tr.get('train_minutes', tr['minutes']):.1f}"])
+                     f"{tr['train_tokens_per_s']:.0f}", f"{tr.get('train_minutes') or tr['minutes']:.1f}",
+                     "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")])
         rec[n[8:]] = {"params": ev.get("params"), "valid_beam4": ev["bleu_valid_beam4"],
                       "test_beam4": ev["bleu_test_beam4"], "test_greedy": ev["bleu_test_greedy"],
                       "updates": tr["updates"], "train_tokens_per_s": tr["train_tokens_per_s"],
-                      "minutes": round(tr.get("train_minutes", tr["minutes"]), 1)}
+                      "minutes": round(tr.get("train_minutes") or tr["minutes"], 1), "seed": tr.get("seed"),
+                      "valid_loss_gain_last_20pct": gain}
     eq = S.result("convs2s-equal-minutes")
     erows, eq_bleu = [], None
     if all("bleu_test_beam4" in eq.get(n, {}) for n in ("convs2s-fconv", "convs2s-lstm")):
@@ -172,15 +215,24 @@ def report(ctx, outcome):
         for n in ("convs2s-fconv", "convs2s-lstm"):
             erows.append([labels[n], eq[n]["updates_at_budget"], eq[n]["checkpoint_update"],
                           R.fmt(eq[n]["bleu_test_beam4"])])
+    by, ratios, gmean = speedup(S.result("convs2s-speed")["ms"])
+    srows = [[f"{batch}", "greedy" if beam == 1 else f"beam {beam}", R.fmt(v.get("fconv")), R.fmt(v.get("lstm")),
+              f"{ratios[(batch, beam)]:.2f}x" if (batch, beam) in ratios else "-"] for (batch, beam), v in by.items()]
     ev = {n: S.result(f"{n}-eval")["bleu_test_beam4"] for n in labels}
-    v, reason = verdict(ev["convs2s-fconv"], ev["convs2s-lstm"], ev["convs2s-fconv-lastattn"], eq_bleu)
-    prow = [[n.rsplit("lr", 1)[1], R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
+    v, reason = verdict(ev["convs2s-fconv"], ev["convs2s-lstm"], ev["convs2s-fconv-lastattn"], eq_bleu, gmean)
+    unflat = [labels[n] for n in labels if not flattened(trained(S, n).get("valid_curve", []))[1]]
+    if unflat:
+        reason += " Still falling in the last 20% of their updates (>= 1% valid loss): " + "; ".join(unflat) + "."
+    prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("convs2s-")], "convs2s")
+    prow = [[n[8:].replace("-pilot-lr", ", lr "), R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
     md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)
 
 **Claim** (Table 1): a fully convolutional model with gated linear units and multi-step attention beats strong
 recurrent models (WMT'16 En-Ro {PAPER['en_ro']['convs2s']} vs {PAPER['en_ro']['gru_bpe_sennrich']}; WMT'14 En-De
-{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while training and translating faster;
-attention in every decoder layer beats attention in the last layer only (Table 5).
+{PAPER['en_de']['convs2s']} vs GNMT's LSTM {PAPER['en_de']['gnmt_lstm']}) while translating an order of magnitude
+faster (Table 3, GPU and CPU); attention in every decoder layer beats attention in the last layer only (Table 5).
+Targets here: ConvS2S >= the tuned LSTM at equal updates, and >= {SPEED_TARGET:g}x its CPU translation speed
+(geometric mean over batch 1 and 64, greedy and beam 4).
 
 **Verdict: {v}.** {reason}
 
@@ -189,17 +241,21 @@ attention in every decoder layer beats attention in the last layer only (Table 5
 ```
 
 **Setup.** `fconv_glu` of width {a.dim} (4 encoder and 3 decoder convolutions of kernel 3, shared input/output
-embedding, NAG lr 0.25, clip 0.1, as the quickstart) against fairseq's `lstm` (a bidirectional 1-layer encoder and
-a 1-layer decoder of hidden size {2 * a.dim}, attention, shared embeddings, adam with its learning rate chosen on
-valid by {len(outcome['pilots'])} pilots of {a.convs2s_pilot_updates} updates), and `fconv_glu` with
-`--decoder-attention "[False, False, True]"`; label smoothing 0.1, 1,024 tokens a batch, {a.convs2s_updates} updates
-each, fconv and the LSTM side by side (one thread each, so their minutes compare), the last 3 interval
-checkpoints averaged for the equal-updates rows.
+embedding, NAG, clip 0.1) against fairseq's `lstm` (a bidirectional 1-layer encoder and a 1-layer decoder of hidden
+size {2 * a.dim}, attention, shared embeddings, adam), and `fconv_glu` with `--decoder-attention "[False, False,
+True]"`. Each model's learning rate chosen by {len(LRS['fconv'])} pilots of {a.convs2s_pilot_updates} updates on
+valid greedy BLEU (the same number for both, 1,024 tokens a batch). Then label smoothing 0.1, 1,024 tokens a batch,
+{a.convs2s_updates} updates each (no early stopping), fconv and the LSTM side by side (one thread each, so their
+minutes compare), each evaluated on its best checkpoint by valid loss. {prov_line}
 
 ### Equal updates
 
 {R.table(["model", "params (M)", "valid BLEU (beam 4)", "test BLEU (greedy)", "test BLEU (beam 4)", "updates",
-          "train tokens/s", "minutes"], rows)}
+          "train tokens/s", "minutes", "valid loss gain, last 20%"], rows)}
+
+### Translation speed (one CPU thread, ms per sentence over the first test sentences; fastest of 3 passes)
+
+{R.table(["batch", "search", "fconv_glu ms", "lstm ms", "fconv_glu speed-up"], srows)}
 
 ### Equal minutes ({eq.get('minutes', '-')} min: what the faster of the two needed for all its updates)
 
@@ -207,14 +263,17 @@ checkpoints averaged for the equal-updates rows.
 
 ![valid loss against updates and against minutes](claims_convs2s_valid_loss.png)
 
-LSTM pilots (valid greedy BLEU by learning rate):
+Pilots (valid greedy BLEU by model and learning rate):
 
-{R.table(["lr", "valid greedy"], prow)}
+{R.table(["model, lr", "valid greedy"], prow)}
 
 Signatures: {R.signatures([S.result(f"{n}-eval") for n in labels])}.
 """
     record = {"verdict": v, "reason": reason, "models": rec, "equal_minutes": eq, "paper": PAPER,
-              "command": R.command(a, "convs2s")}
+              "speed_ms": {f"{k[0]}x{k[1]}": val for k, val in by.items()},
+              "speedup_over_lstm": {f"batch {k[0]} beam {k[1]}": round(r, 3) for k, r in ratios.items()},
+              "speedup_geomean": gmean, "lr": lr, "pilots_valid_greedy": outcome["pilots"],
+              "command": R.command(a, "convs2s"), **prov}
     png = os.path.join(S.W, "convs2s_valid_loss.png")
     plot(S, labels, png)
     return R.write(a.docs_dir, "convs2s", md, record, [png])

@@ -125,11 +125,11 @@ def position_ce(paths, labels, bin_dir, src, tgt, split, png, max_position=30):
                        for K, label, ce, counts, gce in results]}
 
 
-def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4)):
-    """Batch-1 latency (ms per sentence, one thread) of ``models`` [{label, ckpt, task, generator}] over the first
-    ``sentences`` test sentences: each model and beam timed ``repeat`` times, interleaved, the fastest pass kept.
-    ``generator``: "ours" (the task's generator, --task translation_sat for the SAT) or "fairseq" (fairseq's
-    SequenceGenerator, --task translation)."""
+def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batches=(1,)):
+    """Latency (ms per sentence, one thread) of ``models`` [{label, ckpt, task}] over the first ``sentences`` test
+    sentences, in batches of each of ``batches`` sentences: each model, beam and batch size timed ``repeat`` times,
+    interleaved, the fastest pass kept. The task's generator decodes (fairseq's SequenceGenerator for
+    --task translation, ours for --task translation_sat)."""
     from argparse import Namespace
 
     import torch
@@ -146,18 +146,20 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4)):
     best = {}
     for r in range(repeat):
         for m, model, task_obj, ds, gens in loaded:
-            for b, gen in gens.items():
-                samples = [ds.collater([ds[i]]) for i in range(n)]
-                with torch.no_grad():
-                    task_obj.inference_step(gen, [model], samples[0])  # warm-up
-                    t0 = time.perf_counter()
-                    for s in samples:
-                        task_obj.inference_step(gen, [model], s)
-                ms = 1000 * (time.perf_counter() - t0) / n
-                key = (m["label"], b)
-                best[key] = min(best.get(key, ms), ms)
+            for batch in batches:
+                samples = [ds.collater([ds[i] for i in range(j, min(j + batch, n))]) for j in range(0, n, batch)]
+                for b, gen in gens.items():
+                    with torch.no_grad():
+                        task_obj.inference_step(gen, [model], samples[0])  # warm-up
+                        t0 = time.perf_counter()
+                        for s in samples:
+                            task_obj.inference_step(gen, [model], s)
+                    ms = 1000 * (time.perf_counter() - t0) / n
+                    key = (m["label"], b, batch)
+                    best[key] = min(best.get(key, ms), ms)
     return {"sentences": n, "repeat": repeat,
-            "ms": [{"label": label, "beam": b, "ms": round(ms, 2)} for (label, b), ms in best.items()]}
+            "ms": [{"label": label, "beam": b, "batch": batch, "ms": round(ms, 2)}
+                   for (label, b, batch), ms in best.items()]}
 
 
 def group_repeats(spm_files, Ks):
