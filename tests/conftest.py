@@ -52,6 +52,18 @@ def acts_bin(tmp_path_factory):
     return acts_test_bin(str(tmp_path_factory.mktemp("acts")))
 
 
+@pytest.fixture(scope="session")
+def release_data(tmp_path_factory):
+    """The De->En release's joined dictionary as a data directory's two dictionaries (for the hub)."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d = tmp_path_factory.mktemp("release_data")
+    for lang in ("de", "en"):
+        shutil.copyfile(os.path.join(root, "releases", "bible-de-en", "dict.txt"), d / f"dict.{lang}.txt")
+    return str(d)
+
+
 # Fixtures that train a model or run a pipeline through the fairseq command lines: every test that uses one is
 # part of the full suite only (`-m slow`), so that `pytest -m "not slow"` (the fast lane, README) stays a few
 # minutes of unit tests and in-process checks.

@@ -11,7 +11,6 @@ edited with ``torch.save``.
 import copy
 import os
 import re
-import shutil
 
 import pytest
 import torch
@@ -112,14 +111,6 @@ needs_release = pytest.mark.skipif(not os.path.isfile(RELEASE), reason="no relea
 @pytest.fixture(scope="module")
 def release_state():
     return load_checkpoint_file(RELEASE)
-
-
-@pytest.fixture(scope="module")
-def release_data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("release_data")
-    for lang in ("de", "en"):
-        shutil.copyfile(os.path.join(DE_EN, "dict.txt"), d / f"dict.{lang}.txt")
-    return str(d)
 
 
 def _hub(path, data):

@@ -257,15 +257,6 @@ def _hub(path, data=DE_EN, model_class="transformer", **kwargs):
                                  sentencepiece_model=os.path.join(DE_EN, "spm.model"), **kwargs)
 
 
-@pytest.fixture(scope="module")
-def release_data(tmp_path_factory):
-    """The release's joined dictionary as a data directory's two dictionaries."""
-    d = tmp_path_factory.mktemp("release_data")
-    for lang in ("de", "en"):
-        shutil.copyfile(os.path.join(DE_EN, "dict.txt"), d / f"dict.{lang}.txt")
-    return str(d)
-
-
 @pytest.mark.parametrize("name, model_class", [("transformer", "transformer"), ("sat_transformer_k2", "sat")])
 def test_scores_that_are_not_finite_end_in_one_line_naming_the_checkpoint(tmp_path, release_data, name, model_class):
     """A weight of 1e30 (finite, valid CRC) makes the activations overflow: fairseq's search ended in
