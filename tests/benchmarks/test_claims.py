@@ -175,28 +175,35 @@ def test_convs2s_verdict_needs_every_control_beaten():
     assert v == "not reproduced" and reason.startswith("Missed: ConvS2S >= LSTM at equal updates")
 
 
-def _bert_jam_report(tmp_path, bleus):
-    """The BERT-JAM report from fabricated results: size -> (test BLEU of the two baselines by dropout, of phases
-    1, 2, 3 and the control); valid BLEU is test + 1, so the baseline with the better test is chosen."""
+def _bert_jam_report(tmp_path, bleus, std=None):
+    """The BERT-JAM report from fabricated results: size -> (test BLEU of the two baselines by dropout, of phase 1 at
+    dropout 0.1 and 0.3, phases 2, 3 and the control); valid BLEU is test + 1, so the better test is chosen; the
+    standard-decoder phase 1 scores ``std`` (default: phase 1's chosen - 0.5)."""
     args, _ = claims.parse_args(["--paper", "bert_jam", "--bj-sizes", ",".join(map(str, bleus)),
                                  "--docs-dir", str(tmp_path / "docs"), "--workdir", str(tmp_path / "w")])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
-    outcome = {"sizes": list(bleus), "chains": {}, "bases": {}}
-    for n, (base, phases) in bleus.items():
+    outcome = {"sizes": list(bleus), "chains": {}, "bases": {}, "p1_by_dropout": {}, "controls": {}}
+    curve = [(100, 8.0), (400, 7.5), (800, 7.45)]
+    for n, (base, p1, phases) in bleus.items():
         outcome["bases"][n] = [f"bj-{n}-base-d{d}" for d in base]
-        outcome["chains"][n] = [f"bj-{n}-{k}" for k in ("p1", "p2", "p3", "ctrl")]
-        for name, b in [*zip(outcome["bases"][n], base.values()), *zip(outcome["chains"][n], phases)]:
+        outcome["p1_by_dropout"][n] = [f"bj-{n}-p1-d{d}" for d in p1]
+        chosen_p1 = f"bj-{n}-p1-d{max(p1, key=p1.get)}"
+        outcome["chains"][n] = {"p1": chosen_p1, **{k: f"bj-{n}-{k}" for k in ("p2", "p3", "ctrl")}}
+        outcome["controls"][n] = {"zeros": f"bj-{n}-p1-zeros", "std": f"bj-{n}-p1-std"}
+        named = [*zip(outcome["bases"][n], base.values()), *zip(outcome["p1_by_dropout"][n], p1.values()),
+                 *zip([f"bj-{n}-{k}" for k in ("p2", "p3", "ctrl")], phases),
+                 (f"bj-{n}-p1-std", std if std is not None else max(p1.values()) - 0.5)]
+        for name, b in named:
             S.results[name] = {"updates": 500, "minutes": 5.0, "s_per_update": 0.6, "cache_minutes": 0.0,
-                               "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 8.0 - b / 10}
+                               "checkpoint": "x", "valid_loss_best": 8.0 - b / 10, "valid_curve": curve}
             S.results[f"{name}-eval"] = {k: v for k, v in _bleu(b).items() if "greedy" not in k} | {
                 "bleu_valid_beam4": b + 1.0}
+        S.results[f"bj-{n}-p1-zeros"] = {"updates": 400, "minutes": 4.0, "s_per_update": 0.6, "cache_minutes": 0.0,
+                                         "checkpoint": "x", "valid_loss_best": 7.125, "valid_curve": curve}
         chosen = max(base, key=base.get)
         S.results[f"bj-{n}-base-test"] = {"bleu_test_beam4": base[chosen], "chosen": f"bj-{n}-base-d{chosen}",
                                           "dropout": float(chosen)}
     S.results["bj-e5"] = {"pruned_vocab_size": 25000, "layers": 12, "hidden": 384}
-    outcome["zeros"] = zeros = f"bj-{min(bleus)}-p1-zeros"  # phase 1 on e5 features set to zero
-    S.results[zeros] = {"updates": 400, "minutes": 4.0, "s_per_update": 0.6, "cache_minutes": 0.0,
-                        "stopped_at_plateau": True, "checkpoint": "x", "valid_loss_best": 7.125}
     ctx = type("Ctx", (), {"S": S, "args": args})()
     claims_bert_jam.report(ctx, outcome)
     docs = tmp_path / "docs"
@@ -206,35 +213,36 @@ def _bert_jam_report(tmp_path, bleus):
 
 def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     base = {"0.1": 5.0, "0.3": 6.0}
-    rec, md = _bert_jam_report(tmp_path / "met", {2000: (base, [7.0, 8.0, 9.5, 8.5]),
-                                                  8000: ({"0.1": 12.0, "0.3": 11.0}, [12.0, 13.0, 14.0, 13.5])})
+    p1 = {"0.1": 7.5, "0.3": 7.0}  # BERT-JAM's dropout chosen like the baseline's: 0.1 here, 0.3 for the baseline
+    rec, md = _bert_jam_report(tmp_path / "met", {2000: (base, p1, [8.0, 9.5, 8.5]),
+                                                  8000: ({"0.1": 12.0, "0.3": 11.0}, p1, [13.0, 14.0, 13.5])})
     assert rec["gap_test"] == {"2000": 3.5, "8000": 2.0} and rec["phase3_minus_control_test"]["2000"] == 1.0
     assert rec["verdict"] == "reproduced" and "Every size run meets its target" in rec["reason"]
     assert rec["not_run"] == [] and rec["targets"] == {"2000": 1.0, "8000": 1.0}
     assert rec["sizes"]["8000"]["baseline"] == {"dropout": 0.1, "valid_beam4": 13.0, "test_beam4": 12.0,
                                                 "valid_by_dropout": {"0.1": 13.0, "0.3": 12.0}}
-    assert "| Transformer (chosen on valid) | 0.3 | 7.400 | 7.00 | 6.00 | 500 | plateau |" in md
+    assert rec["sizes"]["2000"]["dropout"] == 0.1 and rec["sizes"]["2000"]["p1_valid_by_dropout"] == {
+        "0.1": 8.5, "0.3": 8.0}
+    assert "phase 3 9.50 (dropout 0.1) vs baseline 6.00 (dropout 0.3), +3.50" in rec["reason"]
+    assert "| Transformer (chosen on valid) | 0.3 | 7.400 | 7.00 | 6.00 | 500 | 0.7% | 5 | 0.60 | 0 |" in md
     assert "| Transformer | 0.1 | 7.500 | 6.00 | - |" in md  # the other dropout is never decoded on test
-    assert "| BERT-JAM phase 3 | 0.3 | 7.050 | 10.50 | 9.50 | 500 | fixed |" in md
-    # the zero-feature ablation: a row at the smallest size and its valid losses beside phase 1's and the baseline's
-    assert "| BERT-JAM phase 1, every e5 feature set to zero | 0.3 | 7.125 | - | - | 400 | plateau |" in md
-    assert "features set to zero, 2000 verses) the best valid loss is 7.125, against 7.300 with e5 and 7.400" \
-        in rec["reason"]
-    assert "alone is -0.275 from the baseline, and e5's features change it by +0.175." in rec["reason"]
-    assert rec["p1_zero_features"] == {"verses": 2000, "valid_loss_best": 7.125, "p1_valid_loss_best": 7.3,
-                                       "baseline_valid_loss_best": 7.4, "updates": 400}
-    rec, _ = _bert_jam_report(tmp_path / "hit", {2000: (base, [7.0, 8.0, 9.0, 8.5]),
-                                                 8000: (base, [7.0, 8.0, 9.0, 8.5]),
-                                                 29080: (base, [5.0, 5.5, 6.0, 6.5])})
-    assert rec["verdict"] == "reproduced" and rec["not_run"] == [] and rec["gap_test"]["29080"] == 0.0
-    rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, [7.0, 8.0, 9.0, 8.5])})
+    assert "| BERT-JAM phase 1 (chosen on valid) | 0.1 | 7.250 | 8.50 | 7.50 |" in md
+    assert "| BERT-JAM phase 1 | 0.3 | 7.300 | 8.00 | - |" in md
+    assert "| BERT-JAM phase 3 | 0.1 | 7.050 | 10.50 | 9.50 | 500 |" in md
+    # the two controls of phase 1 at every size: e5's features set to zero, fairseq's standard decoder
+    assert "| phase 1, every e5 feature set to zero | 0.1 | 7.125 | - | - | 400 |" in md
+    assert rec["standard_decoder_minus_joint_test"] == {"2000": -0.5, "8000": -0.5}
+    assert "2000 verses: 7.125 on zeros, 7.250 with e5, 7.400 for the baseline" in rec["reason"]
+    assert rec["sizes"]["2000"]["p1_zero_features"]["valid_loss_best"] == 7.125
+    rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, p1, [8.0, 9.0, 8.5])}, std=8.0)
     assert rec["verdict"] == "partly reproduced" and rec["not_run"] == [8000]
     assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +1.0)" in rec["reason"]
-    rec, _ = _bert_jam_report(tmp_path / "miss", {2000: (base, [7.0, 8.0, 6.5, 8.5]),
-                                                  8000: (base, [7.0, 8.0, 9.0, 8.5])})
+    assert rec["standard_decoder_minus_joint_test"] == {"2000": 0.5}
+    rec, _ = _bert_jam_report(tmp_path / "miss", {2000: (base, p1, [8.0, 6.5, 8.5]),
+                                                  8000: (base, p1, [8.0, 9.0, 8.5])})
     assert rec["verdict"] == "partly reproduced" and "Missed at 2000 verses" in rec["reason"]
-    rec, _ = _bert_jam_report(tmp_path / "none", {2000: (base, [7.0, 8.0, 6.5, 8.5]),
-                                                  8000: (base, [7.0, 8.0, 6.0, 8.5])})
+    rec, _ = _bert_jam_report(tmp_path / "none", {2000: (base, p1, [8.0, 6.5, 8.5]),
+                                                  8000: (base, p1, [8.0, 6.0, 8.5])})
     assert rec["verdict"] == "not reproduced"
 
 
