@@ -278,7 +278,7 @@ def test_a_worker_result_that_is_not_an_object_fails_the_step_naming_the_file(tm
     S = claims_jobs.Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
 
     def sh(cmd, log, threads=1, what=""):
-        with open(cmd[-1], "w") as f:  # claims_work.py SPEC OUT
+        with open(cmd[-1], "w") as f:  # benchmarks.claims.work SPEC OUT
             f.write("[1]")
         return 0.0
 
