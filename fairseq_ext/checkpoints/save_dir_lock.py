@@ -4,8 +4,8 @@ The process that writes the checkpoints (fairseq's master rank, the one that cal
 ``checkpoint_utils.verify_checkpoint_directory`` at the start of ``fairseq_cli.train.main``) takes an exclusive
 ``fcntl.flock`` on ``SAVE_DIR/.fairseq-train.lock`` and holds it until it exits; a second training given that
 directory gets one line naming it and the holder's pid. The kernel drops the lock when its holder dies, so the
-file left by a killed training blocks nothing; a normal exit removes it. Other ranks share the directory and do not
-lock.
+file left by a killed training blocks nothing; a single-process run removes it when it exits (a rank 0 started by
+multiprocessing spawn leaves it, unlocked). Other ranks share the directory and do not lock.
 """
 
 import atexit
@@ -83,7 +83,7 @@ def release_all():
 
 
 def install():
-    """Idempotent; called by :func:`fairseq_ext.common.fairseq_fixes.install`."""
+    """Idempotent; called by :func:`fairseq_ext.checkpoints.install`."""
     from fairseq import checkpoint_utils
 
     original = checkpoint_utils.verify_checkpoint_directory
