@@ -9,6 +9,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 TINY_TRANSFORMER = [
     "--encoder-layers", "2", "--decoder-layers", "2", "--encoder-embed-dim", "16", "--decoder-embed-dim", "16",
     "--encoder-ffn-embed-dim", "32", "--decoder-ffn-embed-dim", "32",
@@ -44,8 +46,7 @@ def tiny_transformer_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def acts_bin(tmp_path_factory):
     """The Acts test set (data/bible-de-en) encoded with the release's BPE and binarised with its dictionary."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if not os.path.isfile(os.path.join(root, "releases", "bible-de-en", "sat_transformer_k2.pt")):
+    if not os.path.isfile(os.path.join(ROOT, "releases", "bible-de-en", "sat_transformer_k2.pt")):
         pytest.skip("no releases/bible-de-en/sat_transformer_k2.pt")
     from benchmarks.speed.speculative import acts_test_bin
 
@@ -57,10 +58,9 @@ def release_data(tmp_path_factory):
     """The De->En release's joined dictionary as a data directory's two dictionaries (for the hub)."""
     import shutil
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     d = tmp_path_factory.mktemp("release_data")
     for lang in ("de", "en"):
-        shutil.copyfile(os.path.join(root, "releases", "bible-de-en", "dict.txt"), d / f"dict.{lang}.txt")
+        shutil.copyfile(os.path.join(ROOT, "releases", "bible-de-en", "dict.txt"), d / f"dict.{lang}.txt")
     return str(d)
 
 

@@ -31,8 +31,8 @@ import sys
 import zipfile
 
 from . import report as R
-from .common import (PRE_NORM, RELEASE_DE_EN, adam_args, eval_job, fixed_budget_args, flattened, size_args, train_job,
-                     trained, update_walls)
+from .common import (PRE_NORM, RELEASE_DE_EN, adam_args, curve_cell, eval_job, fixed_budget_args, size_args,
+                     still_falling, train_job, trained, update_walls)
 from .jobs import ClaimsError, Job, read_json
 from .report import pyplot, save_figure
 
@@ -454,10 +454,8 @@ def plot(by_size, png):
 
 def _row(R, label, r, dropout):
     spu, loss = r.get("s_per_update"), r.get("valid_loss_best")
-    gain, flat = flattened(r.get("valid_curve", []))
     return [label, dropout, "-" if loss is None else f"{loss:.3f}", R.fmt(r.get("bleu_valid_beam4")),
-            R.fmt(r.get("bleu_test_beam4")), r["updates"],
-            "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)"),
+            R.fmt(r.get("bleu_test_beam4")), r["updates"], curve_cell(r),
             f"{r.get('train_minutes') or r['minutes']:.0f}", "-" if spu is None else f"{spu:.2f}",
             f"{r.get('cache_minutes') or 0:.0f}"]
 
@@ -494,8 +492,8 @@ def _reason(a, by_size, sizes, missed, not_run):
     p3c = ", ".join(f"{by_size[n]['p3_vs_ctrl']:+.2f} at {n}" for n in sizes)
     p1 = ", ".join(f"{by_size[n]['bj']['p1']['bleu_test_beam4'] - by_size[n]['base']['bleu_test_beam4']:+.2f} at {n}"
                    for n in sizes)
-    unflat = [f"{k} at {n}" for n in sizes for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]
-              if not flattened(r.get("valid_curve", []))[1]]
+    unflat = still_falling([(f"{k} at {n}", r) for n in sizes
+                            for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]])
     return (f"Test BLEU (beam 4): {gaps}. "
             + (f"Missed at {', '.join(map(str, missed))} verses. " if missed else
                "Every size run meets its target. " if any(n in TARGET for n in sizes) else
@@ -503,8 +501,7 @@ def _reason(a, by_size, sizes, missed, not_run):
             + f"Phase 1 alone over the baseline: {p1}; phase 3 over the control (phase 2 continued for the same "
             f"{a.bj_p3_updates} updates at the same rate): {p3c}."
             + _control_text(by_size, sizes)
-            + (" Still falling in the last 20% of their updates (>= 1% valid loss): " + ", ".join(unflat) + "."
-               if unflat else "")
+            + (" " + unflat if unflat else "")
             + (" Not run: " + ", ".join(f"{n} verses (target {TARGET[n]:+.1f})" for n in not_run)
                + " (--bj-sizes), so that part of the claim is untested." if not_run else ""))
 

@@ -64,6 +64,20 @@ def flattened(curve, tail=0.2):
     return gain, gain < 0.01
 
 
+def curve_cell(result):
+    """A training result's :func:`flattened` as a table cell: "0.4%", "2.1% (still falling)" or "-"."""
+    gain, flat = flattened(result.get("valid_curve", []))
+    return "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")
+
+
+def still_falling(named, sep=", "):
+    """The sentence naming the trainings of ``named`` ([(label, result)]) whose valid loss still fell by 1% or more
+    over the last 20% of their updates; "" when none did."""
+    labels = [label for label, result in named if not flattened(result.get("valid_curve", []))[1]]
+    return ("Still falling in the last 20% of their updates (>= 1% valid loss): " + sep.join(labels) + "."
+            if labels else "")
+
+
 def json_records(log, kind):
     import json
 

@@ -19,7 +19,8 @@ comparison. Translation speed, the paper's headline (Table 3), is timed for both
 import os
 
 from . import report as R
-from .common import adam_args, eval_job, fixed_budget_args, flattened, train_job, trained, update_walls
+from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, still_falling, train_job,
+                     trained, update_walls)
 from .jobs import Job
 from .report import pyplot, save_figure
 
@@ -198,16 +199,15 @@ def report(ctx, outcome):
     rows, rec = [], {}
     for n, label in labels.items():
         tr, ev = trained(S, n), S.result(f"{n}-eval")
-        gain, flat = flattened(tr.get("valid_curve", []))
         rows.append([label, f"{ev.get('params', 0) / 1e6:.2f}", R.fmt(ev["bleu_valid_beam4"]),
                      R.fmt(ev["bleu_test_greedy"]), R.fmt(ev["bleu_test_beam4"]), tr["updates"],
                      f"{tr['train_tokens_per_s']:.0f}", f"{tr.get('train_minutes') or tr['minutes']:.1f}",
-                     "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")])
+                     curve_cell(tr)])
         rec[n[8:]] = {"params": ev.get("params"), "valid_beam4": ev["bleu_valid_beam4"],
                       "test_beam4": ev["bleu_test_beam4"], "test_greedy": ev["bleu_test_greedy"],
                       "updates": tr["updates"], "train_tokens_per_s": tr["train_tokens_per_s"],
                       "minutes": round(tr.get("train_minutes") or tr["minutes"], 1), "seed": tr.get("seed"),
-                      "valid_loss_gain_last_20pct": gain}
+                      "valid_loss_gain_last_20pct": flattened(tr.get("valid_curve", []))[0]}
     eq = S.result("convs2s-equal-minutes")
     erows, eq_bleu = [], None
     if all("bleu_test_beam4" in eq.get(n, {}) for n in ("convs2s-fconv", "convs2s-lstm")):
@@ -220,9 +220,9 @@ def report(ctx, outcome):
               f"{ratios[(batch, beam)]:.2f}x" if (batch, beam) in ratios else "-"] for (batch, beam), v in by.items()]
     ev = {n: S.result(f"{n}-eval")["bleu_test_beam4"] for n in labels}
     v, reason = verdict(ev["convs2s-fconv"], ev["convs2s-lstm"], ev["convs2s-fconv-lastattn"], eq_bleu, gmean)
-    unflat = [labels[n] for n in labels if not flattened(trained(S, n).get("valid_curve", []))[1]]
+    unflat = still_falling([(labels[n], trained(S, n)) for n in labels], sep="; ")
     if unflat:
-        reason += " Still falling in the last 20% of their updates (>= 1% valid loss): " + "; ".join(unflat) + "."
+        reason += " " + unflat
     prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("convs2s-")], "convs2s")
     prow = [[n[8:].replace("-pilot-lr", ", lr "), R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
     md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)

@@ -18,7 +18,8 @@ paper's Figure 2 measures on 3,000 training pairs of converged models: ``python 
 import os
 
 from . import report as R
-from .common import adam_args, eval_job, fixed_budget_args, flattened, size_args, train_job, trained
+from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, size_args, still_falling,
+                     train_job, trained)
 from .jobs import Job, read_json
 from .report import pyplot, save_figure
 
@@ -155,28 +156,27 @@ def report(ctx, outcome):
     names = outcome["models"]
     depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
     deg = {(r["variant"], r["depth"]): r for r in (S.result("msc-degradation") or {}).get("results", [])}
-    rows, bleu, record_models, unflat = [], {}, {}, []
+    rows, bleu, record_models, curves = [], {}, {}, []
     for n in names:
         variant = n[4:].rstrip("0123456789")
         depth = int(n[4 + len(variant):])
         tr, ev = trained(S, n), S.result(f"{n}-eval")
         bleu[(variant, depth)] = ev["bleu_test_beam4"]
         d = deg.get((variant, depth), {})
-        gain, flat = flattened(tr.get("valid_curve", []))
-        if not flat:
-            unflat.append(n[4:])
+        curves.append((n[4:], tr))
         rows.append([{"post": "post-norm transformer", "pre": "pre-norm transformer", "msc": "MSC"}[variant], depth,
                      R.fmt(ev["bleu_valid_beam4"]), R.fmt(ev["bleu_test_beam4"]), R.fmt(d.get("train_bleu")),
                      R.fmt(tr["valid_loss_best"], 3), R.fmt(tr["train_loss_last"], 3), tr["updates"],
-                     f"{tr.get('train_minutes') or tr['minutes']:.0f}",
-                     "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")])
+                     f"{tr.get('train_minutes') or tr['minutes']:.0f}", curve_cell(tr)])
         record_models[n[4:]] = {"valid_beam4": ev["bleu_valid_beam4"], "test_beam4": ev["bleu_test_beam4"],
                                 "train_bleu": d.get("train_bleu"), "valid_loss_best": tr["valid_loss_best"],
-                                "updates": tr["updates"], "seed": tr.get("seed"), "valid_loss_gain_last_20pct": gain,
+                                "updates": tr["updates"], "seed": tr.get("seed"),
+                                "valid_loss_gain_last_20pct": flattened(tr.get("valid_curve", []))[0],
                                 "minutes": round(tr.get("train_minutes") or tr["minutes"], 1)}
     v, reason = verdict(bleu, depths)
-    if unflat:
-        reason += " Still falling in the last 20% of their updates (>= 1% valid loss): " + ", ".join(unflat) + "."
+    falling = still_falling(curves)
+    if falling:
+        reason += " " + falling
     lo, hi = min(depths), max(depths)
     train = {k: r.get("train_bleu") for k, r in deg.items()}
     if all(train.get((var, d)) is not None for var in VARIANTS for d in (lo, hi)):

@@ -18,8 +18,8 @@ verdict per K takes the better recipe; both are reported.
 import os
 
 from . import report as R
-from .common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, eval_job, fixed_budget_args, flattened,
-                     size_args, train_job, trained)
+from .common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, curve_cell, eval_job, fixed_budget_args,
+                     size_args, still_falling, train_job, trained)
 from .jobs import Job
 
 RELEASE = os.path.join(RELEASE_DE_EN, "transformer.pt")
@@ -212,10 +212,6 @@ def smoke(a):
 
 def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     """The BLEU table: the teacher, then every student with its updates, minutes, curve check and ratio."""
-    def curve_cell(t):
-        gain, flat = flattened(t.get("valid_curve", []))
-        return "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")
-
     label = "Transformer (teacher" + (", the release trained on)" if outcome["teacher_trained"] else ", release)")
     rows = [[label, *(R.fmt(teacher[k]) for k in KEYS), teacher_tr.get("updates", "-") if teacher_tr else "-",
              curve_cell(teacher_tr) if teacher_tr else "-", "100%", "-"]]
@@ -277,7 +273,7 @@ def _reason(met, by, best, kd_effect, k1_over, unflat, speed, ks):
              + ", ".join(f"{d:+.2f} at K = {K}" for K, d in sorted(kd_effect.items()))
              + " (paper, Figure 5: it helps, more as K grows). ")
     if unflat:
-        text += "Still falling in the last 20% of their updates (>= 1% valid loss): " + ", ".join(unflat) + ". "
+        text += unflat + " "
     if ("K=1", 4) in speed:
         text += ("Speed-ups over our own K = 1 (beam 4, batch 1, one thread): "
                  + " / ".join(f"{speed[('K=1', 4)] / speed[(f'K={K}', 4)]:.2f}x" for K in Ks if (f"K={K}", 4) in speed)
@@ -363,9 +359,8 @@ def report(ctx, outcome):
     kd_effect = {K: ev[f"sat-k{K}-kd"]["bleu_valid_beam4"] - ev[f"sat-k{K}-real"]["bleu_valid_beam4"]
                  for K in ks if K > 1 and f"sat-k{K}-kd" in ev and f"sat-k{K}-real" in ev}
     k1_over = best.get(1)
-    unflat = [n for n in outcome["students"] if not flattened(tr[n].get("valid_curve", []))[1]]
-    if teacher_tr is not None and not flattened(teacher_tr.get("valid_curve", []))[1]:
-        unflat.insert(0, "the teacher")
+    unflat = still_falling(([("the teacher", teacher_tr)] if teacher_tr is not None else [])
+                           + [(n, tr[n]) for n in outcome["students"]])
     speed = {(m["label"], m["beam"]): m["ms"] for m in S.result("sat-speed")["ms"]}
     fig6 = S.result("sat-fig6")["models"]
     reps = S.result("sat-repeats")["files"]
