@@ -12,8 +12,9 @@ machine); timings run alone. Hyper-parameters are chosen on the valid set; the t
 model, after training.
 
 Writes docs/CLAIMS.md (per paper: the claim, the paper's number, ours, the control, the figure, the command,
-sacreBLEU signatures, update counts and minutes) and docs/claims.json (``PAPER.verdict``: reproduced / not
-reproduced / not testable at this scale, and ``PAPER.reason``); a paper's section is replaced when it is run
+sacreBLEU signatures, update counts and minutes) and docs/claims.json (``PAPER.verdict``: one of
+``report.VERDICTS``, reproduced / partly reproduced / not reproduced / not tested, and ``PAPER.reason``); a paper's
+section is replaced when it is run
 again, the others are kept. ``--smoke`` runs every step on a slice of the corpus with a few updates (the tests).
 """
 

@@ -242,8 +242,10 @@ def plot(results, variants, path):
                        label=f"{variant} train")[0]
         ax.plot([r["depth"] for r in rs], [r["valid_bleu"] for r in rs], marker="x", linestyle="--",
                 color=line.get_color(), label=f"{variant} valid")
+    ax.set_xticks(sorted({r["depth"] for r in results}))  # the depths that were run
     ax.set_xlabel("encoder layers")
     ax.set_ylabel("BLEU")
+    ax.set_title("BLEU on training pairs and valid against depth (Fig. 2)", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
