@@ -41,5 +41,6 @@ setup(
         "test": ["pytest", "hypothesis"],
         "plot": ["matplotlib"],  # the MSC and SAT figure tools
         "moses": ["sacremoses"],  # BERT-JAM's optional detokenisation of Moses-tokenised input
+        "bench": ["ctranslate2==4.8.5"],  # the CTranslate2 anchors of benchmarks/speed (no torch dependency)
     },
 )

@@ -25,3 +25,6 @@ checkpoints.install()
 fairseq_fixes.install()
 
 from fairseq_ext import bert_jam, convs2s, msc, sat  # noqa: E402,F401  (registration)
+from fairseq_ext.inference import default_generator  # noqa: E402
+
+default_generator.install()  # --task translation decodes with the static step (inference/default_generator.py)

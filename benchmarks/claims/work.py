@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import time
+from unittest import mock
 
 GEN_BOUND = dict(max_len_a=1.2, max_len_b=10)  # as the quickstart: a briefly trained model may not stop
 
@@ -129,10 +130,12 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batc
     """Latency (ms per sentence, one thread) of ``models`` [{label, ckpt, task}] over the first ``sentences`` test
     sentences, in batches of each of ``batches`` sentences: each model, beam and batch size timed ``repeat`` times,
     interleaved, the fastest pass kept. The task's generator decodes (fairseq's SequenceGenerator for
-    --task translation, ours for --task translation_sat)."""
+    --task translation, with the package's default generator turned off; ours for --task translation_sat)."""
     from argparse import Namespace
 
     import torch
+
+    from fairseq_ext.inference.default_generator import OFF
 
     torch.set_num_threads(1)
     loaded = []
@@ -140,7 +143,10 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batc
         model, task_obj, _ = _load(m["ckpt"], bin_dir, src, tgt, m["task"])
         task_obj.load_dataset("test")
         ds = task_obj.dataset("test")
-        gens = {b: task_obj.build_generator([model], Namespace(beam=b, lenpen=1.0, **GEN_BOUND)) for b in beams}
+        # --task translation is the anchor "fairseq's generator": keep it fairseq's, not the package's default
+        stock = {OFF: "1"} if m["task"] == "translation" else {}
+        with mock.patch.dict(os.environ, stock):
+            gens = {b: task_obj.build_generator([model], Namespace(beam=b, lenpen=1.0, **GEN_BOUND)) for b in beams}
         loaded.append((m, model, task_obj, ds, gens))
     n = min(sentences, len(loaded[0][3]))
     best = {}

@@ -4,11 +4,11 @@ sources with exactly --length words + EOS, and each part of ``generate`` is time
 
 * the encoder and the search's buffers (``_start``), per sentence;
 * the decoder call (layers, softmax projection, log-softmax: ``decode_group``);
-* fairseq's rules (``_constrain``), the group step (``_enumerated_group`` / ``_pruned_group``) and the reorder
-  (``_reorder``);
+* fairseq's rules (``_constrain``), the group step (``_enumerated_group`` / ``_pruned_group``; K = 1 takes
+  fairseq's beam step inside ``_beam_search``, counted in the rest) and the reorder (``_reorder``);
 * the rest of the search (the top B, EOS; bookkeeping): the sentence's time less the parts above.
 
-The generator takes its default, the lean decoder step (``--no-lean-step``: the decoder's own step). Then the
+The generator takes its default, the static decoder step (``--no-lean-step``: the decoder's own step). Then the
 reorder alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
 ``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.
 ``--profile K`` also prints, from ``torch.profiler`` over one more pass, the operators whose self time per
@@ -139,7 +139,7 @@ def reorder_walk(a, gens, task, sample):
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
     g, m = gens["K=1"]
-    if g.uses_lean_step:
+    if g.model.step_name != "own":
         g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
                                  max_len_b=a.length, min_len=a.length, lean_step=False)
     captured = {}
@@ -180,7 +180,8 @@ def main(argv=None):
         names = ["K=1", "K=2", "K=4", "K=6"]
         gens, accs = timed_generators(a, models, task, samples, names)
         best, calls = time_parts(a, gens, accs, samples, names)
-        step = "the lean step" if gens["K=1"][0].uses_lean_step else "the decoder's own step"
+        step = {"static": "the static step", "lean": "the lean step",
+                "own": "the decoder's own step"}[gens["K=1"][0].model.step_name]
         print_parts(a, best, calls, len(samples), names, step)
         reorder_walk(a, gens, task, samples[0])
         if a.profile:

@@ -173,6 +173,21 @@ def ct2_convert(checkpoint, data_dir, out_dir, args):
     return out_dir
 
 
+def ct2_contenders(checkpoint, data_dir, out_dir, args, task, label="CTranslate2 {}", types=("int8", "float32")):
+    """The CTranslate2 conversion of ``checkpoint`` as one :class:`Contender` per compute type (``label`` formatted
+    with the type), one inter-thread and ``args.threads`` intra-threads each; [] when it cannot be converted (the
+    reason printed by :func:`ct2_convert`)."""
+    out = ct2_convert(checkpoint, data_dir, out_dir, args)
+    if out is None:
+        return []
+    import ctranslate2
+
+    return [Contender(label.format(ct), 1, "ct2", dictionary=task.target_dictionary, src_dict=task.source_dictionary,
+                      translator=ctranslate2.Translator(out, device="cpu", compute_type=ct, inter_threads=1,
+                                                        intra_threads=args.threads))
+            for ct in types]
+
+
 class Contender:
     """One decoder of the benchmark. ``decode(sample, beam)`` -> (seconds, hypotheses as token-id lists with
     the final EOS, decoder calls or 0)."""

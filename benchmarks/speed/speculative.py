@@ -219,7 +219,7 @@ def build_contenders(args, verifier, task, data, tmp):
     from fairseq_ext.sat.generator import SATSequenceGenerator
     from fairseq_ext.sat.speculative import SpeculativeSATGenerator, load_drafter
 
-    from .sat_contenders import Contender, ct2_convert
+    from .sat_contenders import Contender, ct2_contenders
 
     tgt_dict = task.target_dictionary
     cs = [Contender("greedy K=1", 1, "", model=verifier,
@@ -235,15 +235,7 @@ def build_contenders(args, verifier, task, data, tmp):
         cs.append(Contender(label, gen.K, "spec", model=verifier, make_gen=lambda beam, g=gen: g))
     if not args.no_ct2:
         args.source_lang, args.target_lang = "de", "en"
-        out = ct2_convert(args.verifier, data, os.path.join(tmp, "ct2"), args)
-        if out is not None:
-            import ctranslate2
-
-            for ct in ("int8", "float32"):
-                tr = ctranslate2.Translator(out, device="cpu", compute_type=ct, inter_threads=1,
-                                            intra_threads=args.threads)
-                cs.append(Contender(f"CTranslate2 {ct} greedy", 1, "ct2", translator=tr, dictionary=tgt_dict,
-                                    src_dict=task.source_dictionary))
+        cs += ct2_contenders(args.verifier, data, os.path.join(tmp, "ct2"), args, task, label="CTranslate2 {} greedy")
     return cs, spec_gens
 
 

@@ -41,12 +41,15 @@ from fairseq.sequence_generator import (
 from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_refusal,
                                                lean_step, only_lean_state, reorder_lean_state)
+from fairseq_ext.inference.static_step import STATE_KEY as STATIC_KEY
+from fairseq_ext.inference.static_step import StaticState, static_call, static_refusal, step_graph
 from fairseq_ext.sat.group_step import GroupStep
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
 logger = logging.getLogger(__name__)
 
 TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an 8,000-word row
+TOP_B_MIN_ROWS = 8  # fewer rows: topk itself is faster (python -m benchmarks.speed.beam_rows --rows 1 4 8 16)
 
 
 def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
@@ -56,10 +59,10 @@ def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
     another chunk has B chunk maxima, B distinct words, at least as large), so one top-B over the chunk maxima and
     one over the B chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-B over the row;
     indices equal too but among equal values. NaN ranks first, as in ``topk`` (a chunk with a NaN has a NaN
-    maximum). Rows shorter than 16 chunks use ``topk``."""
+    maximum). Rows shorter than 16 chunks, and calls of fewer than :data:`TOP_B_MIN_ROWS` rows, use ``topk``."""
     V = lprobs.size(-1)
     n = V // chunk
-    if n < max(16, B):
+    if n < max(16, B) or lprobs.numel() < TOP_B_MIN_ROWS * V:
         return lprobs.topk(B, dim=-1)
     shape = lprobs.shape[:-1]
     rows = lprobs.reshape(-1, V)
@@ -82,7 +85,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     decoder's structure is checked once, :func:`lean_refusal`, its dtype and device on every call, and each call
     by :func:`lean_applies`), else through the decoder's own ``forward``. The model itself is not changed."""
 
-    def __init__(self, models, lean_step: bool = True):
+    def __init__(self, models, lean_step: bool = True, static_step: bool = True):
         if len(models) != 1:
             raise FairseqExtError(
                 f"translation_sat decodes a single model; got an ensemble of {len(models)} (--path a.pt:b.pt). "
@@ -91,10 +94,32 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         self.group_size = int(getattr(models[0].decoder, "group_size", 1))  # K; a transformer decodes as K = 1
         self.decoder_calls = 0
         self._lean_refusal = lean_refusal(self.single_model.decoder) if lean_step else "--no-lean-step"
+        self._static_refusal = (static_refusal(self.single_model) if static_step else "--no-static-step") \
+            if lean_step else "--no-lean-step"
 
     @property
     def uses_lean_step(self) -> bool:
         return self._lean_refusal is None and float32_on_cpu(self.single_model.decoder)
+
+    @property
+    def uses_static_step(self) -> bool:
+        return self._static_refusal is None and float32_on_cpu(self.single_model.decoder) \
+            and not self.single_model.decoder.training
+
+    @property
+    def step_name(self) -> str:
+        """The decoder step that calls take now: "static", "lean" or "own"."""
+        return "static" if self.uses_static_step else "lean" if self.uses_lean_step else "own"
+
+    def _static_group(self, decoder_input, encoder_out, incremental_state, temperature: float):
+        K = self.group_size
+        state = incremental_state.get(STATIC_KEY)
+        if state is None:
+            state = incremental_state[STATIC_KEY] = StaticState(
+                self.single_model.decoder, encoder_out, decoder_input.size(0))
+            state.step = step_graph(self.single_model.decoder)
+        first = decoder_input.size(1) - K
+        return static_call(state.step, state, decoder_input[:, first:], first, temperature)
 
     def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
@@ -104,6 +129,8 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         K = self.group_size
         self.decoder_calls += 1
         decoder = self.single_model.decoder
+        if STATIC_KEY in incremental_state or (not incremental_state and self.uses_static_step):
+            return self._static_group(decoder_input, encoder_out, incremental_state, temperature)
         if self.uses_lean_step and lean_applies(decoder, decoder_input, incremental_state):
             x, extra = lean_step(decoder, decoder_input, encoder_out, incremental_state)
             x = decoder.output_layer(x)
@@ -130,6 +157,8 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             raise FairseqExtError("translation_sat does not support --constraints")
         if self.beam_size == 1 and self.repeat_ngram_blocker is None:
             return self._greedy_search(sample, bos_token)
+        if self.group_size == 1:
+            return self._beam_search(sample, bos_token)
         return self._group_beam_search(sample, bos_token)
 
     # -- shared pieces ------------------------------------------------------------------------------------
@@ -151,6 +180,16 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         encoder_outs = self.model.forward_encoder(net_input)
         self._reorder_modules = None  # found again for every search (see _reorder)
         return bsz, src_len, max_len, n_steps, tokens, encoder_outs
+
+    def _beam_start(self, sample, bos_token):
+        """:meth:`_start`, and what both beam searches keep: the cumulative score at each position of each row, the
+        score s(h) of each row, the sentence of each block of rows, the finalised hypotheses of each sentence."""
+        bsz, src_len, max_len, n_steps, tokens, encoder_outs = self._start(sample, bos_token)
+        cum = torch.zeros(bsz, n_steps, dtype=torch.float, device=tokens.device)
+        scores = torch.zeros(bsz, dtype=torch.float, device=tokens.device)
+        sents: List[int] = list(range(bsz))
+        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
+        return src_len, max_len, n_steps, tokens, encoder_outs, cum, scores, sents, finalized
 
     def _constrain(self, lprobs: Tensor, step: int, max_len: int) -> Tensor:
         """fairseq's per-step rules on the K distributions [N, K, V] of target positions step..step+K-1. On a CPU
@@ -180,6 +219,9 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         call (97 ``hasattr`` for the quickstart decoder; ``python -m benchmarks.speed.beam_parts`` times both
         walks); the same calls in the same order here, with the modules that have it found once per search."""
         decoder = self.model.single_model.decoder
+        if STATIC_KEY in state:  # the static step holds the source keys and values too
+            state[STATIC_KEY].reorder(rows)
+            return encoder_outs
         if only_lean_state(state):  # the lean step's state is all there is
             reorder_lean_state(decoder, state, rows)
         elif type(decoder).reorder_incremental_state_scripting is not _FAIRSEQ_REORDER_WALK:
@@ -244,19 +286,27 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                                                          self.temperature)
             lprobs = self._constrain(lprobs, step, max_len)
             best_lp, best = lprobs.max(dim=-1)  # [n, K]
-            if self._selected_nan(best_lp):
+            # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
+            # _constrain): the only host read of the step
+            first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
+            if best_lp.is_cpu:
+                first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
+            ends = first_eos.tolist()
+            if max(ends) > K:
                 best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
+                ends = torch.where(best.eq(self.eos), k_index, K).amin(dim=1).tolist()
             tokens[:, K + step: 2 * K + step] = best
-            # cumulative scores (cumsum: equal to fairseq's running float sum for K = 1, within an ulp beyond)
-            prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
-            cum[:, step: step + K] = torch.cat([prev_cum, best_lp], 1).cumsum(1)[:, 1:]
+            # cumulative scores: fairseq's running float sum for K = 1; cumsum (in double on a CPU: within an ulp
+            # of the running sum) for a group
+            if K == 1:
+                cum[:, step: step + 1] = best_lp if step == 0 else cum[:, step - 1: step] + best_lp
+            else:
+                prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
+                cum[:, step: step + K] = torch.cat([prev_cum, best_lp], 1).cumsum(1)[:, 1:]
             if group_attn is not None:
                 if attn is None:
                     attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
                 attn[:, :, step: step + K] = group_attn.transpose(1, 2)
-            # the first EOS of each row's group, K if none: the only host read of the step
-            first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
-            ends = first_eos.tolist()
             done = [row for row, j in enumerate(ends) if j < K]
             if not done:
                 continue
@@ -276,19 +326,86 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             encoder_outs = self._reorder(state, encoder_outs, keep)
         return finalized
 
+    def _beam_search(self, sample, bos_token: Optional[int] = None):
+        """K = 1: fairseq's beam search (``search.BeamSearch.step`` and ``SequenceGenerator``'s finalisation) in
+        fewer operations per step: the top 2B of every sentence's hypothesis scores plus next-word
+        log-probabilities (``topk`` over [P x V], as fairseq's), its EOS candidates among the top B finalised in
+        rank order (up to B per sentence; a sentence with B is done), the first B candidates that are not a finite
+        EOS continued. One host read per step (which of the top B are EOS). Rows are ``sentence * P + parent``."""
+        B, eos = self.beam_size, self.eos
+        src_len, max_len, n_steps, tokens, encoder_outs, cum, scores, sents, finalized = self._beam_start(
+            sample, bos_token)
+        dev = tokens.device
+        state: Dict[str, Dict[str, Optional[Tensor]]] = {}
+        attn: Optional[Tensor] = None
+        P = 1
+        for step in range(n_steps):
+            n = len(sents)
+            lprobs, step_attn = self.model.decode_group(tokens[:, : step + 1], encoder_outs[0], state,
+                                                        self.temperature)
+            lprobs = self._constrain(lprobs, step, max_len)
+            if self.repeat_ngram_blocker is not None:  # tokens is fairseq's buffer exactly for K = 1
+                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+            V = lprobs.size(-1)
+            k = min(2 * B, P * V - 1)
+            cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
+            if self._selected_nan(cand_sc):
+                lprobs = self._nan_to_neg_inf(lprobs)
+                cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
+            parents = torch.div(cand_i, V, rounding_mode="floor")
+            words = cand_i - parents * V
+            finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)  # [n, 2B]
+            if step_attn is not None and attn is None:
+                attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
+            done = [False] * n
+            for s_, flags in enumerate(finite_eos[:, :B].tolist()):  # the host read of the step
+                hyps = finalized[sents[s_]]
+                for c, is_eos in enumerate(flags):
+                    if is_eos and len(hyps) < B:
+                        row = s_ * P + int(parents[s_, c])
+                        a = None
+                        if attn is not None:
+                            a = torch.cat([attn[row, :, :step], step_attn[row, :1].transpose(0, 1).float()], 1)
+                        hyps.append(self._hypothesis(
+                            torch.cat([tokens[row, 1: 1 + step], tokens.new_full((1,), eos)]),
+                            torch.cat([cum[row, :step], cand_sc[s_, c: c + 1]]), a))
+                done[s_] = len(hyps) >= B
+            if step >= max_len:  # every candidate was EOS: every sentence is done
+                break
+            keep_sents = [s_ for s_ in range(n) if not done[s_]]
+            if not keep_sents:
+                break
+            # the first B candidates of each remaining sentence that are not a finite EOS (fairseq's active_hypos)
+            active = (finite_eos.long() * k + torch.arange(k, device=dev)).topk(B, dim=1, largest=False).indices
+            keep = torch.tensor(keep_sents, device=dev) if len(keep_sents) < n else None
+            if keep is not None:
+                active, cand_sc = active.index_select(0, keep), cand_sc.index_select(0, keep)
+                parents, words = parents.index_select(0, keep), words.index_select(0, keep)
+            base = (keep if keep is not None else torch.arange(n, device=dev)).unsqueeze(1) * P
+            rows = (base + parents.gather(1, active)).view(-1)
+            scores = cand_sc.gather(1, active).view(-1)
+            tokens = tokens.index_select(0, rows)
+            tokens[:, step + 1] = words.gather(1, active).view(-1)
+            cum = cum.index_select(0, rows)
+            cum[:, step] = scores
+            if attn is not None:
+                attn = attn.index_select(0, rows)
+                attn[:, :, step] = step_attn[:, 0].index_select(0, rows)
+            sents = [sents[s_] for s_ in keep_sents]
+            P = B
+            encoder_outs = self._reorder(state, encoder_outs, rows)
+        return self._sorted(finalized)
+
     def _group_beam_search(self, sample, bos_token: Optional[int] = None):
         """One vectorised step per group (see the module docstring for the rule and the proof of exactness).
         Rows are ``sentence * P + parent``; P = 1 at the first group (every hypothesis is the empty one), then B.
         """
         K, B, eos = self.group_size, self.beam_size, self.eos
-        bsz, src_len, max_len, n_steps, tokens, encoder_outs = self._start(sample, bos_token)
+        src_len, max_len, n_steps, tokens, encoder_outs, cum, scores, sents, finalized = self._beam_start(
+            sample, bos_token)
         dev = tokens.device
         state: Dict[str, Dict[str, Optional[Tensor]]] = {}
-        cum = torch.zeros(bsz, n_steps, dtype=torch.float, device=dev)  # cumulative score at each position
-        scores = torch.zeros(bsz, dtype=torch.float, device=dev)  # s(h) of each row
         attn: Optional[Tensor] = None
-        sents: List[int] = list(range(bsz))  # sentence of each block of P rows
-        finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         P = 1
         # the group step, chosen once per search: the enumeration; K = 1 (one position, fairseq's beam) prunes with
         # a single top B, fewer ops than the enumeration; so does a beam with too many rank tuples
@@ -374,10 +491,12 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
     Refused with one line: ``--match-source-len``, and ``--no-repeat-ngram-size`` with K > 1 (the words of a
     group are chosen together, so an n-gram cannot be blocked by the group's own words)."""
 
-    def __init__(self, models, tgt_dict, print_alignment=None, lean_step: bool = True, **kwargs):
+    def __init__(self, models, tgt_dict, print_alignment=None, lean_step: bool = True, static_step: bool = True,
+                 **kwargs):
         if kwargs.get("match_source_len"):
             raise FairseqExtError("--match-source-len is not supported by --task translation_sat; remove it")
-        SequenceGenerator.__init__(self, SATEnsembleModel(models, lean_step=lean_step), tgt_dict, **kwargs)
+        SequenceGenerator.__init__(self, SATEnsembleModel(models, lean_step=lean_step, static_step=static_step),
+                                   tgt_dict, **kwargs)
         self.group_size = self.model.group_size
         if self.repeat_ngram_blocker is not None and self.group_size > 1:
             raise FairseqExtError(
@@ -399,7 +518,16 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         """Whether decoder calls take the lean step now (see the class docstring)."""
         return self.model.uses_lean_step
 
+    # set by --task translation's default generator (fairseq_ext/inference/default_generator.py): builds fairseq's
+    # generator for a call with prefix tokens or constraints (the hub's inference_step_args)
+    stock_fallback = None
+
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
+        if self.stock_fallback is not None and (kwargs.get("prefix_tokens") is not None
+                                                or kwargs.get("constraints") is not None):
+            logger.info("fairseq_ext: prefix tokens / constraints: this call is decoded by fairseq's "
+                        "SequenceGenerator")
+            return self.stock_fallback().generate(models, sample, **kwargs)
         if kwargs.get("prefix_tokens") is not None:
             raise FairseqExtError("translation_sat does not support --prefix-size (prefix tokens)")
         if kwargs.get("constraints") is not None:

@@ -30,6 +30,8 @@ from fairseq.tasks.translation import TranslationConfig, TranslationTask
 from fairseq_ext.common.building import RecordsCheckpointBuild
 from fairseq_ext.common.building import checkpoint_of
 from fairseq_ext.common.errors import FairseqExtError
+from fairseq_ext.inference import default_generator
+from fairseq_ext.inference.default_generator import unsupported_option
 from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from fairseq_ext.sat.speculative import MAX_BATCH, build_speculative
@@ -45,24 +47,11 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     ``--sat-draft-path``) the speculative greedy search of :mod:`fairseq_ext.sat.speculative`."""
     if getattr(args, "score_reference", False):
         return TranslationTask.build_generator(task, models, args)
-    unsupported = [
-        (getattr(args, "sampling", False), "--sampling"),
-        (getattr(args, "diverse_beam_groups", -1) > 0, "--diverse-beam-groups"),
-        (getattr(args, "diversity_rate", -1) > -1, "--diversity-rate"),
-        (bool(getattr(args, "constraints", False)), "--constraints"),
-        (getattr(args, "prefix_size", 0) > 0, "--prefix-size"),
-        (prefix_allowed_tokens_fn is not None or getattr(args, "prefix_allowed_tokens_fn", None) is not None,
-         "prefix_allowed_tokens_fn"),
-        (bool(extra_gen_cls_kwargs and extra_gen_cls_kwargs.get("lm_model") is not None), "--lm-path"),
-        (seq_gen_cls is not None, "a custom seq_gen_cls"),
-        (getattr(args, "retain_dropout", False), "--retain-dropout"),
-        (getattr(args, "match_source_len", False), "--match-source-len"),
-    ]
-    for bad, flag in unsupported:
-        if bad:
-            raise FairseqExtError(
-                f"{flag} is not supported by --task translation_sat (semi-autoregressive group decoding "
-                f"supports beam search and greedy search); remove it")
+    flag = unsupported_option(args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+    if flag:
+        raise FairseqExtError(
+            f"{flag} is not supported by --task translation_sat (semi-autoregressive group decoding "
+            f"supports beam search and greedy search); remove it")
     if len(models) != 1:
         raise FairseqExtError(
             f"--task translation_sat decodes one model, got {len(models)} (--path a.pt:b.pt); average "
@@ -72,19 +61,7 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
     nbest = getattr(args, "nbest", 1)
     if nbest > beam:
         raise FairseqExtError(f"--nbest ({nbest}) cannot exceed --beam ({beam})")
-    opts = dict(
-        print_alignment=getattr(args, "print_alignment", None) or None,
-        lean_step=not getattr(getattr(task, "cfg", None), "no_lean_step", False),
-        beam_size=beam,
-        max_len_a=getattr(args, "max_len_a", 0),
-        max_len_b=getattr(args, "max_len_b", 200),
-        min_len=getattr(args, "min_len", 1),
-        normalize_scores=(not getattr(args, "unnormalized", False)),
-        len_penalty=getattr(args, "lenpen", 1),
-        unk_penalty=getattr(args, "unkpen", 0),
-        temperature=getattr(args, "temperature", 1.0),
-        no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
-    )
+    opts = generator_options(task, args)
     cfg = getattr(task, "cfg", None)
     draft_path = draft_path or getattr(cfg, "sat_draft_path", None) or getattr(args, "sat_draft_path", None)
     if draft_path:
@@ -98,9 +75,37 @@ def build_sat_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwar
                        f"decoder steps: lean, cached length per row; batches over {gen.max_batch} decoded alone"))
         return gen
     gen = SATSequenceGenerator(models, task.target_dictionary, **opts)
-    logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: "
-                f"{'lean' if gen.uses_lean_step else 'own'}")
+    logger.info(f"SAT generator: K={gen.group_size}, beam {beam}; decoder step: {gen.model.step_name}")
     return gen
+
+
+def generator_options(task, args) -> dict:
+    """The keyword arguments of :class:`SATSequenceGenerator` from fairseq's generation options ``args`` and the
+    task's step flags (``--no-lean-step``, ``--no-static-step``; absent from other tasks' configurations)."""
+    cfg = getattr(task, "cfg", None)
+    return dict(
+        print_alignment=getattr(args, "print_alignment", None) or None,
+        lean_step=not getattr(cfg, "no_lean_step", False),
+        static_step=not getattr(cfg, "no_static_step", False),
+        beam_size=getattr(args, "beam", 5),
+        max_len_a=getattr(args, "max_len_a", 0),
+        max_len_b=getattr(args, "max_len_b", 200),
+        min_len=getattr(args, "min_len", 1),
+        normalize_scores=(not getattr(args, "unnormalized", False)),
+        len_penalty=getattr(args, "lenpen", 1),
+        unk_penalty=getattr(args, "unkpen", 0),
+        temperature=getattr(args, "temperature", 1.0),
+        no_repeat_ngram_size=getattr(args, "no_repeat_ngram_size", 0),
+    )
+
+
+def build_translation_generator(task, models, args):
+    """``--task translation``'s generator where :mod:`fairseq_ext.inference.default_generator` serves the call:
+    the group search at K = 1 (fairseq's greedy and beam search) on the static decoder step."""
+    return SATSequenceGenerator(models, task.target_dictionary, **generator_options(task, args))
+
+
+default_generator.register(build_translation_generator)
 
 
 def _check_decodable(model):
@@ -132,6 +137,12 @@ class TranslationSATConfig(TranslationConfig):
                           "another order, ~1e-6) that the generator uses by default for fairseq's and the SAT's "
                           "transformer decoders in float32 on the CPU (after --inference-speedups lean-decoder the "
                           "decoder's own step is the lean one)"})
+    no_static_step: bool = field(
+        default=False,
+        metadata={"help": "decode with the lean step instead of the static decoder step (fairseq_ext/inference/"
+                          "static_step.py: one captured graph per decoder call, caches preallocated; the same "
+                          "float32 products, summed in another order, ~1e-6) that the generator uses by default "
+                          "where it computes the decoder exactly (float32 on the CPU, no --inference-speedups)"})
     sat_draft_path: Optional[str] = field(
         default=None,
         metadata={"help": "lossless speculative greedy decoding: this sat_transformer checkpoint drafts K words (its "

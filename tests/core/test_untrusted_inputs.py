@@ -195,7 +195,7 @@ def test_sat_decoding_compiles_nothing_and_the_amx_flag_is_unknown(interactive_r
     for name in ("lines_sat", "sat_int8"):
         proc = interactive_runs["results"][name]
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        assert "SAT generator: K=2, beam 2; decoder step: lean" in proc.stdout + proc.stderr, name
+        assert "SAT generator: K=2, beam 2; decoder step: static" in proc.stdout + proc.stderr, name
         assert _outputs(proc.stdout), (name, proc.stdout[-2000:])
     assert_one_line_error(interactive_runs["results"]["amx"], "unknown speed-up 'amx-int8-decoder'")
     assert not interactive_runs["compiled"].exists() and not interactive_runs["cache"].exists()

@@ -328,43 +328,50 @@ def test_lean_decoder_keeps_the_hypotheses(K):
     _same_hypotheses(plain, apply_speedups(m, "prepack"), K)
 
 
-def test_sat_generator_takes_the_lean_step_by_default_without_changing_the_model(monkeypatch):
-    """The generator's default: every decoder call through lean_decoder.lean_step (the model's class
-    unchanged); lean_step=False: the decoder's own step; the own step where the lean step does not compute the
-    decoder or is not for it (MSC, attention modules with their own code, float64)."""
+def test_sat_generator_steps_static_by_default_then_lean_then_own_without_changing_the_model(monkeypatch):
+    """The generator's default: every decoder call through the static step (fairseq_ext/inference/static_step.py);
+    static_step=False: every call through lean_decoder.lean_step; lean_step=False: the decoder's own step; the
+    model's class unchanged throughout; the own step where neither computes the decoder or is not for it (MSC,
+    attention modules with their own code, float64)."""
     import fairseq_ext.sat.generator as generator_module
-    calls = []
-    real = generator_module.lean_step
-    monkeypatch.setattr(generator_module, "lean_step", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = {"lean": [], "static": []}
+    for name, attr in (("lean", "lean_step"), ("static", "static_call")):
+        real = getattr(generator_module, attr)
+        monkeypatch.setattr(generator_module, attr,
+                            lambda *a, _real=real, _name=name, **k: calls[_name].append(1) or _real(*a, **k))
     m = sat_model(2, seed=31)
     cls = type(m.decoder)
     src, lengths, _ = _batch(bsz=3, seed=10)
     sample = sat_sample(src, lengths)
+    opts = dict(beam_size=1, max_len_a=0, max_len_b=6, min_len=6)
     for beam in (1, 3):
-        gen = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=6, min_len=6)
-        assert gen.uses_lean_step
-        gen.generate([m], sample)
-        assert len(calls) == gen.decoder_calls > 2 and type(m.decoder) is cls
-        calls.clear()
-        own = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=6, min_len=6, lean_step=False)
-        own.generate([m], sample)
-        assert not own.uses_lean_step and not calls and own.decoder_calls == gen.decoder_calls
+        opts["beam_size"] = beam
+        for kw, step in (({}, "static"), ({"static_step": False}, "lean"), ({"lean_step": False}, "own")):
+            gen = SATSequenceGenerator([m], DICT, **opts, **kw)
+            assert gen.model.step_name == step
+            gen.generate([m], sample)
+            assert gen.decoder_calls > 2 and type(m.decoder) is cls
+            assert {k: len(v) for k, v in calls.items()} == {
+                "static": gen.decoder_calls if step == "static" else 0,
+                "lean": gen.decoder_calls if step == "lean" else 0}, step
+            calls["lean"].clear()
+            calls["static"].clear()
     own_attention = sat_model(2, seed=31)
     for layer in own_attention.decoder.layers:  # attention modules of another class: their own code runs
         layer.self_attn.__class__ = _OwnAttention
     for other in (msc_build()[0], own_attention, sat_model(2, seed=31).double()):
-        assert not SATSequenceGenerator([other], DICT, beam_size=2).uses_lean_step
+        assert SATSequenceGenerator([other], DICT, beam_size=2).model.step_name == "own"
     mixed = lean_decoder(sat_model(2, seed=31))  # lean-decoder applied: the same step, counted as the lean one
-    assert SATSequenceGenerator([mixed], DICT, beam_size=2).uses_lean_step
+    assert SATSequenceGenerator([mixed], DICT, beam_size=2, static_step=False).uses_lean_step
     # the dtype and device are checked on every call: a model cast after its generator was built takes its own
     # step (fairseq-train builds the --eval-bleu generator before it moves or casts the model)
     gen = SATSequenceGenerator([m], DICT, beam_size=3, max_len_a=0, max_len_b=6, min_len=6)
     m.double()
-    assert not gen.uses_lean_step
+    assert gen.model.step_name == "own"
     out = gen.generate([m], sat_sample(src, lengths))
-    assert not calls and [len(h[0]["tokens"]) for h in out] == [7, 7, 7]
+    assert not calls["lean"] and not calls["static"] and [len(h[0]["tokens"]) for h in out] == [7, 7, 7]
     m.float()
-    assert gen.uses_lean_step
+    assert gen.model.step_name == "static"
 
 
 def test_lean_decoder_on_a_fairseq_transformer_with_fairseq_and_sat_generators():

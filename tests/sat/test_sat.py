@@ -419,12 +419,12 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
     """The search keeps the exact top-B K-word continuations (and finalises exactly the hypotheses that end in
     a group and rank in the top B at their length): equal to enumerating every continuation of every
     hypothesis, on a 6-symbol vocabulary. beam 1 is the greedy loop. Every group step: the rank-tuple
-    enumeration (the default for K > 1) and the position-by-position prune (K = 1, and beams too wide for the
-    enumeration)."""
+    enumeration (the default for K > 1) and the position-by-position prune (beams too wide for the enumeration);
+    K = 1 takes fairseq's beam search step (``_beam_search``)."""
     if step == "pruned":
         monkeypatch.setattr(SATSequenceGenerator, "ENUMERATE_MAX_CANDIDATES", 0)
     ran = set()
-    for method in ("_enumerated_group", "_pruned_group"):
+    for method in ("_enumerated_group", "_pruned_group", "_beam_search"):
         own = getattr(SATSequenceGenerator, method)
         monkeypatch.setattr(SATSequenceGenerator, method,
                             lambda self, *a, _own=own, _name=method: ran.add(_name) or _own(self, *a))
@@ -448,8 +448,9 @@ def test_group_beam_search_equals_brute_force_enumeration(K, beam, step, monkeyp
                     assert_close(h["positional_scores"], pos.float(), 1e-4, what)
                     checked_lengths.add(len(toks) % max(K, 2))
     assert len(checked_lengths) > 1  # hypotheses ending at different positions of a group were compared
-    # the step under test is the one that ran (the greedy loop has none)
-    assert ran == (set() if beam == 1 else {"_enumerated_group" if step == "enumerated" and K > 1 else "_pruned_group"})
+    # the step under test is the one that ran (the greedy loop has none; K = 1 is fairseq's beam search)
+    expected = "_beam_search" if K == 1 else "_enumerated_group" if step == "enumerated" else "_pruned_group"
+    assert ran == (set() if beam == 1 else {expected})
 
 
 @pytest.mark.parametrize("B,K", [(1, 3), (2, 2), (3, 4), (4, 6), (5, 3)])

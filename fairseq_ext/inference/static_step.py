@@ -1,0 +1,434 @@
+"""The static decoder step: one captured graph per decoder computes a whole incremental call (K new positions of N
+rows) with no Python per operation, over key/value caches preallocated for the whole search and written in place
+(CTranslate2's design, on PyTorch's kernels).
+
+What one call computes, for a decoder :func:`~fairseq_ext.inference.lean_decoder.lean_refusal` accepts (fairseq's
+``transformer`` decoder, the SAT decoder) in float32 on the CPU: the embedded tokens ``[N, K]`` at positions
+``idx`` (K consecutive positions, the first a multiple of K), every layer's self-attention over the cached keys
+and values with the new ones written at ``idx`` in place (keys at or after ``idx[-1] + 1`` masked: the causal mask
+for K = 1, the SAT's relaxed causal mask for a group), encoder-decoder attention over the source keys and values
+projected once per search (the last layer's weights averaged over heads: fairseq's alignment attention), the
+feed-forward block, the final layer norm and the output projection; it returns the logits ``[N, K, V]`` and that
+attention ``[N, K, S]``.
+
+Shapes are free: the graph reads N, K, S and the cache length from its inputs, so one graph per decoder serves
+every batch size, beam, source length and length bucket (the cache is handed to it in buckets of
+:data:`LENGTH_BUCKET` positions, so that early steps attend over fewer masked keys). The source keys and values
+are kept once per source: the rows of a sentence's beam query them as one block, and a reorder within the beams
+moves no source tensor. The weights are constants of the graph, each in the layout its few-row product is
+fastest in (:func:`_layout`).
+
+Capture: ``torch.jit.trace``, once per decoder (tens of milliseconds, no compiler). ``python -m
+benchmarks.speed.decode --capture`` times the three ways PyTorch offers on the release transformer: the module
+eagerly, traced, and ``torch.compile`` (inductor, dynamic shapes). Traced was the fastest per call at 1 and 4
+rows there, and ``torch.compile`` took tens of seconds per shape family and needs a C++ compiler on the user's
+machine at run time, so the step is traced. PyTorch 2.13 marks TorchScript deprecated: where ``torch.jit.trace``
+is gone or fails, the same module runs eagerly (one log line; the same numbers, slower). Nothing is written to
+disk.
+
+Numbers: the same float32 products as fairseq's layers in another order (differences ~1e-6), so a search on it
+returns fairseq's hypotheses except at near-ties; ``tests/inference/test_static_step.py`` checks incremental ==
+full pass within 1e-5, reorders with permutations, and the hypotheses on the Acts test against fairseq's generator.
+"""
+
+import logging
+import warnings
+import weakref
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear as DynamicQuantizedLinear
+from fairseq_ext.inference.lean_decoder import _stacked_int8 as stacked_int8
+from fairseq_ext.inference.lean_decoder import equal_runs, lean_refusal
+
+logger = logging.getLogger(__name__)
+
+STATE_KEY = "fairseq_ext.static_step"
+LENGTH_BUCKET = 32  # cache positions handed to a call: the positions so far rounded up to a multiple of this
+
+
+def static_refusal(model) -> Optional[str]:
+    """Why the static step does not compute the step of ``model`` (or of a decoder) exactly (one line), or None."""
+    from fairseq.models import BaseFairseqModel, FairseqDecoder
+    from fairseq.models.transformer import TransformerModelBase
+    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+    decoder = getattr(model, "decoder", model)
+    fairseqs = (BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs)
+    if decoder is not model and (type(model).get_normalized_probs not in fairseqs or type(
+            model).get_normalized_probs_scriptable is not BaseFairseqModel.get_normalized_probs_scriptable):
+        return "static step: the model has its own get_normalized_probs (the step computes fairseq's log-softmax)"
+
+    why = lean_refusal(decoder)
+    if why:
+        return why.replace("lean_decoder", "static step").replace("without lean-decoder", "with its own step")
+    ep = decoder.embed_positions
+    if ep is not None and not isinstance(ep, (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)):
+        return f"static step: positional embeddings {type(ep).__name__} are neither fairseq's learned nor sinusoidal"
+    for name in ("get_normalized_probs", "get_normalized_probs_scriptable"):
+        if getattr(type(decoder), name) is not getattr(FairseqDecoder, name):
+            return f"static step: the decoder has its own {name} (the step computes fairseq's log-softmax)"
+    for name in ("quant_noise", "project_in_dim", "project_out_dim"):
+        if getattr(decoder, name, None) is not None:
+            return f"static step: the decoder has {name}, which the static step does not compute"
+    for m in _projections(decoder):
+        if type(m) is not torch.nn.Linear and not (isinstance(m, DynamicQuantizedLinear) and m.weight().dtype ==
+                                                   torch.qint8):
+            return (f"static step: a projection is a {type(m).__name__}, neither a float nn.Linear nor PyTorch's "
+                    f"int8 dynamic Linear")
+    return None
+
+
+def _projections(decoder):
+    """The decoder's projections the step computes (the encoder attention's keys and values are projected once per
+    search by :class:`StaticState`, with the modules themselves)."""
+    out = [decoder.output_projection]
+    for layer in decoder.layers:
+        sa, ca = layer.self_attn, layer.encoder_attn
+        out += [sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, layer.fc1, layer.fc2]
+    return out
+
+
+def _weights_key(decoder) -> tuple:
+    """What the graph copied from ``decoder``: every projection module (float weights by identity, data and
+    version; int8 ones by their packed weight, which ``set_weight_bias`` and ``load_state_dict`` replace), the
+    embeddings and the layer norms. A change (a weight updated in place, a module replaced, int8 applied after a
+    float graph was made) makes the graph again."""
+    modules = _projections(decoder) + [decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding,
+                                       decoder.layer_norm]
+    for layer in decoder.layers:
+        modules += [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
+    key = []
+    for m in modules:
+        if m is None:
+            key.append(None)
+        elif isinstance(m, DynamicQuantizedLinear):
+            key.append(id(m._packed_params._packed_params))
+        else:
+            key.extend((id(p), p.data_ptr(), p._version) for p in m._parameters.values() if p is not None)
+    return tuple(key)
+
+
+def _layout(w: Tensor) -> Tuple[Tensor, bool]:
+    """A weight [out, in] in the layout of its product: ``[in, out]`` (transposed, True) when out >= in, as MKL's
+    few-row product is faster so for the projections out of the model width (q/k/v, fc1, the output projection),
+    kept ``[out, in]`` for the ones into it (fc2) (``python -m benchmarks.speed.decode --capture`` times both per
+    shape)."""
+    w = w.detach()
+    return (w.t().contiguous(), True) if w.size(0) >= w.size(1) else (w.contiguous(), False)
+
+
+def _bias(m) -> Optional[Tensor]:
+    return m.bias.detach() if m.bias is not None else None
+
+
+class _Projections:
+    """The projections of the graph: a float ``nn.Linear`` as (weight in its layout, transposed, bias); PyTorch's
+    int8 dynamic ``Linear`` as the module itself (kept in ``modules``, so that the trace holds its packed int8
+    weight). Three stacked projections (q / k / v) are one product: float weights concatenated, int8 ones fused
+    by :func:`~fairseq_ext.inference.lean_decoder.fused_qkv`'s rule (the same outputs as the three calls)."""
+
+    def __init__(self):
+        self.modules = torch.nn.ModuleList()
+
+    def __call__(self, *ms):
+        if all(type(m) is torch.nn.Linear for m in ms):
+            w = torch.cat([m.weight for m in ms]) if len(ms) > 1 else ms[0].weight
+            bs = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in ms]
+            b = (torch.cat(bs) if len(ms) > 1 else _bias(ms[0])) if any(m.bias is not None for m in ms) else None
+            return _layout(w) + (b,)
+        if len(ms) > 1:  # int8 (or a mix): one fused int8 product where the weights stack, else one each
+            fused = stacked_int8(ms) if all(isinstance(m, DynamicQuantizedLinear) for m in ms) else None
+            if fused is None:
+                return tuple(self(m) for m in ms)
+            ms = (fused,)
+        module = ms[0]
+        self.modules.append(module)
+        return (module,)
+
+
+def _linear(x: Tensor, spec) -> Tensor:
+    if len(spec) == 1:  # PyTorch's int8 dynamic Linear
+        return spec[0](x)
+    if isinstance(spec[0], tuple):  # several int8 projections that do not stack
+        return torch.cat([_linear(x, s) for s in spec], dim=-1)
+    w, transposed, b = spec
+    if not transposed:
+        return F.linear(x, w, b)
+    return torch.matmul(x, w) if b is None else torch.addmm(b, x, w)
+
+
+def _norm(ln):
+    """(weight, bias, eps) of a fairseq LayerNorm (torch's or a fused one)."""
+    return ln.weight.detach(), ln.bias.detach(), float(ln.eps)
+
+
+class StepGraph(torch.nn.Module):
+    """The decoder's incremental call as plain tensor code (module docstring), the module that is traced. Holds
+    the weights in the layout of their products (float) or PyTorch's int8 modules (after ``int8-decoder`` /
+    ``int8-output``); the decoder is not changed."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        from fairseq.modules import SinusoidalPositionalEmbedding
+
+        C = decoder.embed_tokens.weight.size(1)
+        self.embed = decoder.embed_tokens.weight.detach()
+        self.embed_scale = float(decoder.embed_scale)
+        ep = decoder.embed_positions
+        if ep is None:
+            self.positions = None
+        else:  # the table from position 0 (fairseq's padding_idx + 1)
+            if isinstance(ep, SinusoidalPositionalEmbedding):
+                table = ep.weights if ep.weights.size(0) >= ep.padding_idx + 1 + 1024 else \
+                    ep.get_embedding(ep.padding_idx + 1 + 1024, C, ep.padding_idx)
+            else:
+                table = ep.weight
+            self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
+        self.emb_ln = _norm(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
+        proj = _Projections()
+        self.layers = []
+        for layer in decoder.layers:
+            sa, ca = layer.self_attn, layer.encoder_attn
+            self.layers.append(dict(
+                nb=bool(layer.normalize_before), act=layer.activation_fn, H=sa.num_heads,
+                s_scale=float(sa.scaling), c_scale=float(ca.scaling),
+                qkv=proj(sa.q_proj, sa.k_proj, sa.v_proj), so=proj(sa.out_proj), ln1=_norm(layer.self_attn_layer_norm),
+                cq=proj(ca.q_proj), co=proj(ca.out_proj), ln2=_norm(layer.encoder_attn_layer_norm),
+                fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=_norm(layer.final_layer_norm)))
+        self.final_ln = _norm(decoder.layer_norm) if decoder.layer_norm is not None else None
+        self.int8 = proj.modules  # registered: the trace keeps their packed weights
+        self.C = C
+
+    @staticmethod
+    def _ln(x: Tensor, p) -> Tensor:
+        return F.layer_norm(x, (x.size(-1),), p[0], p[1], p[2])
+
+    def forward(self, tokens: Tensor, idx: Tensor, k_cache: Tensor, v_cache: Tensor, src_k: Tensor,
+                src_v: Tensor, src_bias: Tensor):
+        """tokens [N, K]; idx [K] their positions; k_cache / v_cache [L, N, H, T, d] (written at idx); src_k /
+        src_v [L, B, H, S, d] of the B sources, row r reading source r // (N / B); src_bias [B, 1, 1, S] (0, or
+        -inf at padding). Returns the last layer's output after the final layer norm [N * K, C] (the output
+        projection runs outside: :class:`OutputProjection`) and its head-averaged encoder attention [N, K, S]."""
+        N, K = tokens.shape
+        B = src_k.size(1)
+        P = N // B  # rows per source: row r reads source r // P
+        C = self.C
+        x = self.embed_scale * F.embedding(tokens, self.embed)  # [N, K, C]
+        if self.positions is not None:
+            x = x + self.positions.index_select(0, idx)
+        if self.emb_ln is not None:
+            x = self._ln(x, self.emb_ln)
+        x = x.reshape(N * K, C)
+        T = k_cache.size(3)
+        # keys after the group's last position are hidden (K = 1: causal; a SAT group: the relaxed mask)
+        self_bias = torch.where(torch.arange(T, device=tokens.device) > idx[-1], float("-inf"), 0.0).view(1, T)
+        attn = x.new_zeros(0)
+        last = len(self.layers) - 1
+        for i, p in enumerate(self.layers):
+            H = p["H"]
+            d = C // H
+            # self-attention: one q/k/v product, the new keys / values written into the cache in place
+            h = self._ln(x, p["ln1"]) if p["nb"] else x
+            q, k, v = _linear(h, p["qkv"]).split(C, dim=1)
+            k_cache[i].index_copy_(2, idx, k.reshape(N, K, H, d).transpose(1, 2))
+            v_cache[i].index_copy_(2, idx, v.reshape(N, K, H, d).transpose(1, 2))
+            q = q.reshape(N, K, H, d).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=self_bias, scale=p["s_scale"])
+            x = x + _linear(a.transpose(1, 2).reshape(N * K, C), p["so"])
+            if not p["nb"]:
+                x = self._ln(x, p["ln1"])
+            # encoder-decoder attention over the source keys / values of the search, kept once per source: the
+            # P rows of a source (a sentence's beam) query them as one block of P * K queries
+            h = self._ln(x, p["ln2"]) if p["nb"] else x
+            q = _linear(h, p["cq"]).reshape(B, P * K, H, d).transpose(1, 2)  # [B, H, P*K, d]
+            if i == last:  # the alignment layer: its weights too (softmax in float, as fairseq)
+                w = torch.softmax(torch.matmul(q * p["c_scale"], src_k[i].transpose(-1, -2)) + src_bias, dim=-1)
+                a = torch.matmul(w, src_v[i])
+                attn = w.mean(dim=1).reshape(N, K, -1)
+            else:
+                a = F.scaled_dot_product_attention(q, src_k[i], src_v[i], attn_mask=src_bias, scale=p["c_scale"])
+            x = x + _linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
+            if not p["nb"]:
+                x = self._ln(x, p["ln2"])
+            # feed-forward
+            h = self._ln(x, p["ln3"]) if p["nb"] else x
+            x = x + _linear(p["act"](_linear(h, p["fc1"])), p["fc2"])
+            if not p["nb"]:
+                x = self._ln(x, p["ln3"])
+        if self.final_ln is not None:
+            x = self._ln(x, self.final_ln)
+        return x, attn
+
+
+_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> (weights key, step)
+
+
+def step_graph(decoder) -> "Step":
+    """The static step of ``decoder`` (its captured graph and output projection), made once per decoder and kept
+    while the decoder lives; made again when what it copied changes (:func:`_weights_key`)."""
+    key = _weights_key(decoder)
+    cached = _GRAPHS.get(decoder)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    module = StepGraph(decoder).eval()
+    step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
+    _GRAPHS[decoder] = (key, step)
+    return step
+
+
+class Step:
+    """A decoder's static step: the captured graph of its layers and its output projection."""
+
+    def __init__(self, graph, output: "OutputProjection"):
+        self.graph, self.output = graph, output
+
+
+ONEDNN_MIN_ROWS = 2  # rows from which the output projection takes oneDNN's product
+
+
+class OutputProjection:
+    """The vocabulary projection of a static call, outside the graph, each call through the faster of PyTorch's
+    products for its row count: MKL's for one row (weight ``[in, out]``), oneDNN's prepacked product from
+    :data:`ONEDNN_MIN_ROWS` rows (a beam, a SAT group, a batch: MKL's few-row products are several times slower
+    on these CPUs; ``python -m benchmarks.speed.decode --capture`` times both), PyTorch's int8 module as it is.
+    oneDNN's packed weight cannot live in a traced graph, hence outside. The sums are ordered differently by the
+    two kernels (~1e-6)."""
+
+    def __init__(self, linear):
+        self.module = None if type(linear) is torch.nn.Linear else linear  # int8 (static_refusal allows no other)
+        self.bias = _bias(linear) if self.module is None else None
+        self.weight_t = linear.weight.detach().t().contiguous() if self.module is None else None
+        self.packed = None
+        if self.module is None and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+            except (RuntimeError, AttributeError):  # a PyTorch without this oneDNN entry point: MKL's only
+                self.packed = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.module is not None:
+            return self.module(x)
+        if self.packed is not None and x.size(0) >= ONEDNN_MIN_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+
+def capture(module: StepGraph, decoder):
+    """``module`` traced by ``torch.jit.trace`` (module docstring: why TorchScript), or ``module`` itself, with one
+    log line, where this PyTorch cannot trace it."""
+    L, H = len(decoder.layers), decoder.layers[0].self_attn.num_heads
+    d = module.C // H
+    K = int(getattr(decoder, "group_size", 1))
+    N, S, T = 2, 5, LENGTH_BUCKET
+    example = (torch.full((N, K), decoder.dictionary.eos(), dtype=torch.long), torch.arange(K),
+               torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, S, d),
+               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PyTorch 2.13 announces TorchScript's end (module docstring)
+            return torch.jit.trace(module, example, check_trace=False)
+    except Exception as e:  # a PyTorch without TorchScript: the same code, one Python call per operation
+        logger.info(f"static step: torch.jit.trace is not available ({type(e).__name__}: {e}); the step runs "
+                    f"eagerly (the same numbers, slower)")
+        return module
+
+
+class StaticState:
+    """The caches of one search: self-attention keys / values [L, N, H, capacity, d], the source keys / values
+    [L, N, H, S, d] projected once and the source padding as an additive bias [N, 1, 1, S]. The capacity grows
+    by :data:`LENGTH_BUCKET` positions as the search goes (the calls read the cache up to the bucket of their
+    last position, so every position read is one written or a zero: masked positions are read with weight 0
+    and must be finite). :meth:`reorder` follows a search's row order, copying the cached positions only, into
+    the buffer the previous reorder freed (CTranslate2's in-place reorder: no allocation per step)."""
+
+    def __init__(self, decoder, encoder_out, rows: int):
+        enc = encoder_out["encoder_out"][0]  # [S, N0, C]
+        pads = encoder_out.get("encoder_padding_mask") or []
+        self.L = len(decoder.layers)
+        self.H = decoder.layers[0].self_attn.num_heads
+        S, N0, C = enc.shape
+        self.d = C // self.H
+        with torch.no_grad():
+            ks, vs = [], []
+            for layer in decoder.layers:
+                ca = layer.encoder_attn
+                ks.append(ca.k_proj(enc).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
+                vs.append(ca.v_proj(enc).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
+            self.src_k, self.src_v = torch.stack(ks), torch.stack(vs)
+            bias = enc.new_zeros(N0, 1, 1, S)
+            if len(pads) > 0 and pads[0] is not None:
+                bias.masked_fill_(pads[0].view(N0, 1, 1, S), float("-inf"))
+            self.src_bias = bias
+        if rows % N0:
+            raise ValueError(f"static step: {rows} rows for {N0} sources (a whole number of rows per source)")
+        self.rows_per_source = rows // N0
+        self.k = self.v = self._spare_k = self._spare_v = None
+        self.length = 0
+        self._zeros(rows, LENGTH_BUCKET, enc)
+
+    def _zeros(self, rows: int, capacity: int, like: Tensor) -> None:
+        shape = (self.L, rows, self.H, capacity, self.d)
+        k, v = like.new_zeros(shape), like.new_zeros(shape)
+        if self.k is not None and self.length:
+            k[:, :, :, : self.length] = self.k[:, :, :, : self.length]
+            v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
+        self.k, self.v = k, v
+        self._spare_k = self._spare_v = None
+
+    @property
+    def capacity(self) -> int:
+        return self.k.size(3)
+
+    def reserve(self, end: int) -> None:
+        """Room for positions up to ``end`` (exclusive), in whole buckets."""
+        if end > self.capacity:
+            self._zeros(self.k.size(1), max(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, 2 * self.capacity), self.k)
+
+    def reorder(self, order: Tensor) -> None:
+        n = self.length
+        shape = (self.L, order.size(0)) + tuple(self.k.shape[2:])
+        if self._spare_k is None or tuple(self._spare_k.shape) != shape:  # a new row count: fresh zeros
+            self._spare_k, self._spare_v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        torch.index_select(self.k[:, :, :, :n], 1, order, out=self._spare_k[:, :, :, :n])
+        torch.index_select(self.v[:, :, :, :n], 1, order, out=self._spare_v[:, :, :, :n])
+        (self.k, self._spare_k), (self.v, self._spare_v) = (self._spare_k, self.k), (self._spare_v, self.v)
+        if tuple(self._spare_k.shape) != shape:
+            self._spare_k = self._spare_v = None
+        self._reorder_sources(order)
+
+    def _reorder_sources(self, order: Tensor) -> None:
+        """The source tensors follow the sources of the new rows: kept when a beam search reorders within each
+        sentence (the rows of a source stay together, P of them), selected when sentences leave or the rows are
+        expanded (one host read of the order); an order that mixes sources gives every row its own copy."""
+        P = self.rows_per_source
+        sources = order if P == 1 else torch.div(order, P, rounding_mode="floor")
+        blocks = equal_runs(sources.tolist())
+        if blocks is None:
+            index, self.rows_per_source = sources, 1
+        else:
+            firsts, self.rows_per_source = blocks
+            if firsts == list(range(self.src_k.size(1))):
+                return
+            index = torch.tensor(firsts, dtype=torch.long, device=order.device)
+        self.src_k, self.src_v = self.src_k.index_select(1, index), self.src_v.index_select(1, index)
+        self.src_bias = self.src_bias.index_select(0, index)
+
+
+def static_call(step: Step, state: StaticState, tokens: Tensor, first: int, temperature: float = 1.0):
+    """Log-probabilities [N, K, V] (of the logits divided by ``temperature``: fairseq's get_normalized_probs) and
+    attention [N, K, S] of the K new positions first..first+K-1 (``tokens`` [N, K])."""
+    N, K = tokens.shape
+    end = first + K
+    state.reserve(end)
+    T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
+    x, attn = step.graph.forward(tokens, torch.arange(first, end), state.k[:, :, :, :T], state.v[:, :, :, :T],
+                                 state.src_k, state.src_v, state.src_bias)
+    state.length = end
+    logits = step.output(x).view(N, K, -1)
+    if temperature != 1.0:
+        logits = logits.div_(temperature)
+    return torch.log_softmax(logits, dim=-1), attn

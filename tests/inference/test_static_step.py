@@ -1,0 +1,295 @@
+"""The static decoder step (fairseq_ext/inference/static_step.py) and the default generator of --task translation
+(fairseq_ext/inference/default_generator.py): incremental == full pass (1e-5) for fairseq's transformer decoder and
+the SAT's, across length buckets and with padded sources; reorders with permutations and with rows that share a
+source; the generator's hypotheses equal fairseq's; the fallbacks say why in one line; and, through fairseq-generate
+on the Acts test, the default path's output equals fairseq's own generator's, token for token."""
+
+import argparse
+import logging
+
+import pytest
+import torch
+from fairseq.models.transformer import TransformerModel
+from fairseq.sequence_generator import SequenceGenerator
+from fairseq.tasks.translation import TranslationTask
+
+import fairseq_ext  # noqa: F401  (registers the plugin and the default generator)
+from fairseq_ext.inference import default_generator
+from fairseq_ext.inference import static_step as ss
+from fairseq_ext.inference.speedups import apply_speedups
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from tests.builders import SAT_DICT as DICT
+from tests.builders import SatTask, msc_build, sat_args, sat_model, sat_sample
+from tests.helpers import ROOT, assert_close, hypotheses, run_cli
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def transformer(seed=0, learned=False, normalize_before=False):
+    torch.manual_seed(seed)
+    args = sat_args("transformer", learned=learned, decoder_normalize_before=normalize_before,
+                    encoder_normalize_before=normalize_before)
+    m = TransformerModel.build_model(args, SatTask()).eval()
+    with torch.no_grad():
+        m.decoder.output_projection.weight[DICT.eos()] *= 2.0
+    return m
+
+
+def batch(bsz=3, src_len=9, tgt_len=40, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(DICT.nspecial, len(DICT), (bsz, src_len), generator=g)
+    src[:, -1] = DICT.eos()
+    src[0, :3] = DICT.pad()  # a left-padded shorter source
+    lengths = (src != DICT.pad()).sum(1)
+    prev = torch.randint(DICT.nspecial, len(DICT), (bsz, tgt_len), generator=g)
+    prev[:, 0] = DICT.eos()
+    return src, lengths, prev
+
+
+MODELS = {
+    "transformer": lambda: transformer(),
+    "transformer pre-norm, learned positions": lambda: transformer(learned=True, normalize_before=True),
+    "sat K=2": lambda: sat_model(2),
+    "sat K=3 learned": lambda: sat_model(3, learned=True),
+}
+
+
+def full_pass(m, src, lengths, prev):
+    """fairseq's full pass: log-probabilities and the alignment attention."""
+    with torch.no_grad():
+        logits, extra = m.decoder(prev, encoder_out=m.encoder(src, lengths))
+    return m.get_normalized_probs((logits, extra), log_probs=True), extra["attn"][0]
+
+
+def static_pass(m, src, lengths, prev, order=None, at=None):
+    """The log-probabilities and attention of every position of ``prev`` through static calls of K positions; with
+    ``order``, the state is reordered by it before position ``at`` (and ``prev`` follows)."""
+    dec = m.decoder
+    K = int(getattr(dec, "group_size", 1))
+    graph = ss.step_graph(dec)
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        state = ss.StaticState(dec, enc, src.size(0))
+        outs, atts = [], []
+        for first in range(0, prev.size(1), K):
+            if order is not None and first == at:
+                state.reorder(order)
+                outs = [o.index_select(0, order) for o in outs]
+                atts = [a.index_select(0, order) for a in atts]
+                prev = prev.index_select(0, order)
+            logits, attn = ss.static_call(graph, state, prev[:, first: first + K], first)
+            outs.append(logits)
+            atts.append(attn)
+    return torch.cat(outs, 1), torch.cat(atts, 1)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_static_step_equals_the_full_pass_across_length_buckets(name):
+    m = MODELS[name]()
+    assert ss.static_refusal(m.decoder) is None
+    K = int(getattr(m.decoder, "group_size", 1))
+    src, lengths, prev = batch(tgt_len=2 * ss.LENGTH_BUCKET + 2 * K)  # three buckets, cache grown twice
+    lprobs, attn = static_pass(m, src, lengths, prev)
+    full, full_attn = full_pass(m, src, lengths, prev)
+    assert_close(lprobs, full, atol=1e-5)
+    assert_close(attn, full_attn, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["transformer", "sat K=2"])
+def test_static_state_reorders_with_a_permutation(name):
+    m = MODELS[name]()
+    K = int(getattr(m.decoder, "group_size", 1))
+    src, lengths, prev = batch(bsz=4, tgt_len=12 * K)
+    order = torch.tensor([2, 0, 3, 1])
+    lprobs, attn = static_pass(m, src, lengths, prev, order=order, at=5 * K)
+    full, full_attn = full_pass(m, src[order], lengths[order], prev[order])
+    assert_close(lprobs, full, atol=1e-5)
+    assert_close(attn, full_attn, atol=1e-5)
+
+
+def test_static_state_keeps_one_source_per_beam_and_selects_sources_when_sentences_leave():
+    m = MODELS["transformer"]()
+    src, lengths, prev = batch(bsz=3, tgt_len=10)
+    B = 2
+    expand = torch.arange(3).repeat_interleave(B)  # the first step's expansion to the beam: rows 0,0,1,1,2,2
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        state = ss.StaticState(m.decoder, enc, 3)
+        ss.static_call(ss.step_graph(m.decoder), state, prev[:, :1], 0)
+        state.reorder(expand)
+        assert state.rows_per_source == B and state.src_k.size(1) == 3  # the sources are not copied per row
+        state.reorder(torch.tensor([1, 0, 2, 2, 5, 4]))  # within each sentence's beam: sources kept
+        assert state.rows_per_source == B and state.src_k.size(1) == 3
+        state.reorder(torch.tensor([4, 5]))  # sentences 0 and 1 left: source 2 only
+        assert state.rows_per_source == B and state.src_k.size(1) == 1
+        assert torch.equal(state.src_bias, torch.zeros(1, 1, 1, src.size(1)))  # source 2 has no padding
+
+
+def test_static_step_takes_int8_projections_and_matches_the_int8_lean_step():
+    m = apply_speedups(transformer(), "int8-decoder")
+    assert ss.static_refusal(m.decoder) is None
+    src, lengths, _ = batch(bsz=5)
+    sample = sat_sample(src, lengths)
+    for beam in (1, 3):
+        static = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+        lean = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12, static_step=False)
+        a, b = static.generate([m], sample), lean.generate([m], sample)
+        assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
+
+
+def test_static_refusal_names_what_it_does_not_compute():
+    m = transformer()
+    m.decoder.output_projection = torch.nn.utils.parametrizations.weight_norm(m.decoder.output_projection)
+    assert "neither a float nn.Linear" in ss.static_refusal(m.decoder)
+
+    class OwnSoftmax(type(m.decoder)):
+        def get_normalized_probs(self, net_output, log_probs, sample=None):
+            return super().get_normalized_probs(net_output, log_probs, sample)
+
+    m = transformer()
+    m.decoder.__class__ = OwnSoftmax
+    assert "its own get_normalized_probs" in ss.static_refusal(m.decoder)
+    normformer = TransformerModel.build_model(sat_args("transformer", scale_attn=True), SatTask())
+    assert "NormFormer" in ss.static_refusal(normformer.decoder)
+
+
+def test_graph_is_made_again_when_a_weight_or_module_changes():
+    m = transformer()
+    g = ss.step_graph(m.decoder)
+    assert ss.step_graph(m.decoder) is g
+    src, lengths, prev = batch(tgt_len=4)
+    with torch.no_grad():
+        m.decoder.output_projection.weight.mul_(0.5)
+    g2 = ss.step_graph(m.decoder)
+    assert g2 is not g
+    lprobs, _ = static_pass(m, src, lengths, prev)
+    assert_close(lprobs, full_pass(m, src, lengths, prev)[0], atol=1e-5)
+    apply_speedups(m, "int8-decoder")  # the modules replaced in place: the float graph must not be reused
+    step = ss.step_graph(m.decoder)
+    int8_modules = list(step.graph.int8.children())
+    assert step is not g2 and len(int8_modules) == 12  # 6 a layer: q/k/v fused, out, cq, co, fc1, fc2
+
+
+# -- the generators ------------------------------------------------------------------------------------------
+def gen_args(**kw):
+    base = dict(beam=3, nbest=1, max_len_a=0, max_len_b=12, min_len=1, lenpen=1.0, unkpen=0.0, temperature=1.0,
+                no_repeat_ngram_size=0, unnormalized=False, sampling=False, print_alignment=None)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_sat_generator_on_the_static_step_gives_the_lean_steps_hypotheses(beam):
+    for m in (sat_model(2), transformer()):
+        src, lengths, _ = batch(bsz=5)
+        sample = sat_sample(src, lengths)
+        static = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+        lean = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12, static_step=False)
+        a, b = static.generate([m], sample), lean.generate([m], sample)
+        with torch.inference_mode():
+            assert static.model.step_name == "static" and lean.model.step_name == "lean"
+        for ha, hb in zip(a, b):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+            assert_close(torch.stack([h["score"] for h in ha]), torch.stack([h["score"] for h in hb]), atol=1e-5)
+
+
+class _Task(TranslationTask):
+    def __init__(self):  # only what build_generator reads
+        self.src_dict = self.tgt_dict = DICT
+        self.cfg = argparse.Namespace()
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+def test_translation_task_decodes_with_the_static_step_and_fairseqs_hypotheses(beam, caplog):
+    m = transformer()
+    src, lengths, _ = batch(bsz=5)
+    sample = sat_sample(src, lengths)
+    with caplog.at_level(logging.INFO, logger="fairseq_ext"):
+        gen = _Task().build_generator([m], gen_args(beam=beam))
+    assert isinstance(gen, SATSequenceGenerator)
+    assert "decoding with the static decoder step" in caplog.text
+    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    with torch.no_grad():
+        ours, theirs = gen.generate([m], sample), ref.generate([m], sample)
+    for ha, hb in zip(ours, theirs):
+        assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+        for x, y in zip(ha, hb):
+            assert_close(x["score"], y["score"], atol=1e-5)
+            assert_close(x["positional_scores"], y["positional_scores"], atol=1e-5)
+
+
+def test_default_generator_hands_a_call_with_prefix_tokens_to_fairseqs(caplog):
+    m = transformer()
+    src, lengths, _ = batch(bsz=2)
+    sample = sat_sample(src, lengths)
+    gen = _Task().build_generator([m], gen_args(beam=2))
+    prefix = torch.full((2, 1), DICT.nspecial + 1)
+    with caplog.at_level(logging.INFO, logger="fairseq_ext"):
+        out = gen.generate([m], sample, prefix_tokens=prefix)
+    assert "this call is decoded by fairseq's SequenceGenerator" in caplog.text
+    ref = SequenceGenerator([m], DICT, beam_size=2, max_len_a=0, max_len_b=12).generate([m], sample,
+                                                                                      prefix_tokens=prefix)
+    assert [h[0]["tokens"].tolist() for h in out] == [h[0]["tokens"].tolist() for h in ref]
+    assert all(h[0]["tokens"][0] == DICT.nspecial + 1 for h in out)
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("print_alignment", "--print-alignment"),
+    ("sampling", "--sampling"),
+    ("ensemble", "an ensemble of 2 models"),
+    ("env", "FAIRSEQ_EXT_STOCK_GENERATOR is set"),
+    ("own softmax", "its own get_normalized_probs"),
+    ("sat", "a SAT decoder (K > 1)"),
+    ("msc", "does not declare supports_lean_step"),
+])
+def test_translation_task_falls_back_to_fairseqs_generator_with_one_line(case, expect, caplog, monkeypatch):
+    models = [transformer()]
+    args = gen_args()
+    if case == "print_alignment":
+        args.print_alignment = "hard"
+    elif case == "sampling":
+        args.sampling = True
+    elif case == "ensemble":
+        models.append(transformer(seed=1))
+    elif case == "env":
+        monkeypatch.setenv(default_generator.OFF, "1")
+    elif case == "own softmax":
+        class OwnSoftmax(TransformerModel):
+            def get_normalized_probs(self, net_output, log_probs, sample=None):
+                return super().get_normalized_probs(net_output, log_probs, sample)
+        models[0].__class__ = OwnSoftmax
+    elif case == "sat":
+        models = [sat_model(2)]
+    elif case == "msc":
+        models = [msc_build()[0]]
+    with caplog.at_level(logging.INFO, logger="fairseq_ext"):
+        gen = _Task().build_generator(models, args)
+    assert not isinstance(gen, SATSequenceGenerator)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fairseq_ext"]
+    assert len(lines) == 1 and "fairseq's SequenceGenerator" in lines[0] and expect in lines[0], lines
+
+
+# -- fairseq-generate on the Acts test: the default path against fairseq's own generator -------------------------
+@pytest.mark.parametrize("beam", [1, 4])
+def test_fairseq_generate_default_path_equals_fairseqs_generator_on_all_acts_verses(acts_bin, beam):
+    argv = [acts_bin, "--user-dir", "fairseq_ext", "--path", f"{ROOT}/releases/bible-de-en/transformer.pt",
+            "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64", "--no-progress-bar"]
+    ours = run_cli("generate", argv)
+    stock = run_cli("generate", argv, env={default_generator.OFF: "1"})
+    assert "decoding with the static decoder step" in ours.stderr
+    assert "fairseq's SequenceGenerator: FAIRSEQ_EXT_STOCK_GENERATOR is set" in stock.stderr
+    a, b = hypotheses(ours.stdout), hypotheses(stock.stdout)
+    assert len(a) == 1003 and a.keys() == b.keys()
+    assert [a[i][1] for i in sorted(a)] == [b[i][1] for i in sorted(b)]
+    assert max(abs(a[i][0] - b[i][0]) for i in a) < 1e-3  # scores printed to 4 decimals
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_sat_static_step_equals_its_lean_step_on_all_acts_verses(acts_bin, beam):
+    argv = [acts_bin, "--user-dir", "fairseq_ext", "--task", "translation_sat",
+            "--path", f"{ROOT}/releases/bible-de-en/sat_transformer_k2.pt",
+            "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64", "--no-progress-bar"]
+    static, lean = run_cli("generate", argv), run_cli("generate", argv + ["--no-static-step"])
+    assert "decoder step: static" in static.stderr and "decoder step: lean" in lean.stderr
+    a, b = hypotheses(static.stdout), hypotheses(lean.stdout)
+    assert len(a) == 1003 and [a[i][1] for i in sorted(a)] == [b[i][1] for i in sorted(b)]
