@@ -107,20 +107,27 @@ def lean_refusal(decoder) -> Optional[str]:
         if not (isinstance(layer, TransformerDecoderLayerBase)
                 and type(layer).forward is TransformerDecoderLayerBase.forward):
             why = f"its own layer code ({type(layer).__name__})"
-        elif getattr(layer, "cross_self_attention", False):
-            why = "cross-self-attention"
-        elif any(getattr(layer, a, None) is not None for a in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")):
-            why = "NormFormer's extra layer norms / scaled residuals"
-        elif getattr(layer, "encoder_attn", None) is None:
-            why = "no encoder attention"
         else:
-            why = attention_refusal(layer.self_attn) or attention_refusal(layer.encoder_attn)
+            why = layer_refusal(layer)
         if why:
             return (f"lean_decoder: decoder layer {i} has {why}, which the lean step does not compute; decode this "
                     f"model without lean-decoder")
     if getattr(decoder, "adaptive_softmax", None) is not None:
         return "lean_decoder: the decoder has an adaptive softmax; decode it without lean-decoder"
     return None
+
+
+def layer_refusal(layer, extra_attentions=()) -> Optional[str]:
+    """What in a ``TransformerDecoderLayerBase`` (and its ``extra_attentions``) neither the lean nor the static step
+    computes, or None: cross-self-attention, NormFormer's extras, no encoder attention, non-standard attention."""
+    if getattr(layer, "cross_self_attention", False):
+        return "cross-self-attention"
+    if any(getattr(layer, a, None) is not None for a in ("attn_ln", "ffn_layernorm", "c_attn", "w_resid")):
+        return "NormFormer's extra layer norms / scaled residuals"
+    if getattr(layer, "encoder_attn", None) is None:
+        return "no encoder attention"
+    return next(filter(None, (attention_refusal(a) for a in (layer.self_attn, layer.encoder_attn)
+                              + tuple(extra_attentions))), None)
 
 
 def float32_on_cpu(decoder) -> bool:

@@ -11,6 +11,12 @@ projected once per search (the last layer's weights averaged over heads: fairseq
 feed-forward block, the final layer norm and the output projection; it returns the logits ``[N, K, V]`` and that
 attention ``[N, K, S]``.
 
+A decoder whose layers read memories of their own declares, in the class that defines its
+``extract_features_scriptable``, ``static_step_memories(encoder_out)`` -> (the memory [S, N, C] each layer's
+encoder attention reads, each layer's second memory or None, the source padding): ``msc_transformer`` (block n and
+its context C^n). A layer with a second memory has a ``context_attn`` over it, whose output joins the encoder
+attention's through ``layer.gate(a_h, a_c)`` (summed without a gate).
+
 Shapes are free: the graph reads N, K, S and the cache length from its inputs, so one graph per decoder serves
 every batch size, beam, source length and length bucket (the cache is handed to it in buckets of
 :data:`LENGTH_BUCKET` positions, so that early steps attend over fewer masked keys). The source keys and values
@@ -62,7 +68,7 @@ def static_refusal(model) -> Optional[str]:
             model).get_normalized_probs_scriptable is not BaseFairseqModel.get_normalized_probs_scriptable):
         return "static step: the model has its own get_normalized_probs (the step computes fairseq's log-softmax)"
 
-    why = lean_refusal(decoder)
+    why = _declared_refusal(decoder) if declares_memories(decoder) else lean_refusal(decoder)
     if why:
         return why.replace("lean_decoder", "static step").replace("without lean-decoder", "with its own step")
     ep = decoder.embed_positions
@@ -82,6 +88,37 @@ def static_refusal(model) -> Optional[str]:
     return None
 
 
+def declares_memories(decoder) -> bool:
+    """Whether the class that defines ``decoder``'s ``extract_features_scriptable`` defines
+    ``static_step_memories`` (module docstring: a decoder whose layers read memories of their own)."""
+    from fairseq.models.transformer import TransformerDecoderBase
+
+    if not isinstance(decoder, TransformerDecoderBase):
+        return False
+    owner = next(c for c in type(decoder).__mro__ if "extract_features_scriptable" in vars(c))
+    return "static_step_memories" in vars(owner)
+
+
+def _declared_refusal(decoder) -> Optional[str]:
+    """:func:`~fairseq_ext.inference.lean_decoder.lean_refusal`'s checks for a decoder that declares
+    ``static_step_memories``, whose layers have code of their own by design."""
+    from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
+
+    from fairseq_ext.inference.lean_decoder import layer_refusal
+
+    for i, layer in enumerate(decoder.layers):
+        if not isinstance(layer, TransformerDecoderLayerBase):
+            why = f"a layer of class {type(layer).__name__}"
+        else:
+            ctx = getattr(layer, "context_attn", None)
+            why = layer_refusal(layer, () if ctx is None else (ctx,))
+        if why:
+            return f"static step: decoder layer {i} has {why}; decode it with its own step"
+    if getattr(decoder, "adaptive_softmax", None) is not None:
+        return "static step: the decoder has an adaptive softmax"
+    return None
+
+
 def _projections(decoder):
     """The decoder's projections the step computes (the encoder attention's keys and values are projected once per
     search by :class:`StaticState`, with the modules themselves)."""
@@ -89,6 +126,9 @@ def _projections(decoder):
     for layer in decoder.layers:
         sa, ca = layer.self_attn, layer.encoder_attn
         out += [sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, layer.fc1, layer.fc2]
+        ctx = getattr(layer, "context_attn", None)
+        if ctx is not None:
+            out += [ctx.q_proj, ctx.out_proj]
     return out
 
 
@@ -101,6 +141,7 @@ def _weights_key(decoder) -> tuple:
                                        decoder.layer_norm]
     for layer in decoder.layers:
         modules += [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
+        modules += list(getattr(layer, "gate", None).modules()) if getattr(layer, "gate", None) is not None else []
     key = []
     for m in modules:
         if m is None:
@@ -190,10 +231,16 @@ class StepGraph(torch.nn.Module):
             self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
         self.emb_ln = _norm(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
         proj = _Projections()
+        self.gates = torch.nn.ModuleList()  # registered: the trace keeps their weights
         self.layers = []
         for layer in decoder.layers:
             sa, ca = layer.self_attn, layer.encoder_attn
+            cx, gate = getattr(layer, "context_attn", None), getattr(layer, "gate", None)
+            if gate is not None:
+                self.gates.append(gate)
             self.layers.append(dict(
+                ctx=None if cx is None else dict(q=proj(cx.q_proj), o=proj(cx.out_proj), scale=float(cx.scaling)),
+                gate=gate,
                 nb=bool(layer.normalize_before), act=layer.activation_fn, H=sa.num_heads,
                 s_scale=float(sa.scaling), c_scale=float(ca.scaling),
                 qkv=proj(sa.q_proj, sa.k_proj, sa.v_proj), so=proj(sa.out_proj), ln1=_norm(layer.self_attn_layer_norm),
@@ -208,10 +255,11 @@ class StepGraph(torch.nn.Module):
         return F.layer_norm(x, (x.size(-1),), p[0], p[1], p[2])
 
     def forward(self, tokens: Tensor, idx: Tensor, k_cache: Tensor, v_cache: Tensor, src_k: Tensor,
-                src_v: Tensor, src_bias: Tensor):
+                src_v: Tensor, src_bias: Tensor, ctx_k: Tensor, ctx_v: Tensor):
         """tokens [N, K]; idx [K] their positions; k_cache / v_cache [L, N, H, T, d] (written at idx); src_k /
         src_v [L, B, H, S, d] of the B sources, row r reading source r // (N / B); src_bias [B, 1, 1, S] (0, or
-        -inf at padding). Returns the last layer's output after the final layer norm [N * K, C] (the output
+        -inf at padding); ctx_k / ctx_v like src_k / src_v, of the layers' second memories (empty without).
+        Returns the last layer's output after the final layer norm [N * K, C] (the output
         projection runs outside: :class:`OutputProjection`) and its head-averaged encoder attention [N, K, S]."""
         N, K = tokens.shape
         B = src_k.size(1)
@@ -251,7 +299,14 @@ class StepGraph(torch.nn.Module):
                 attn = w.mean(dim=1).reshape(N, K, -1)
             else:
                 a = F.scaled_dot_product_attention(q, src_k[i], src_v[i], attn_mask=src_bias, scale=p["c_scale"])
-            x = x + _linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
+            a = _linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
+            if p["ctx"] is not None:  # a second memory, fused with the gate or summed (msc_transformer's C^n)
+                c = p["ctx"]
+                qc = _linear(h, c["q"]).reshape(B, P * K, H, d).transpose(1, 2)
+                ac = F.scaled_dot_product_attention(qc, ctx_k[i], ctx_v[i], attn_mask=src_bias, scale=c["scale"])
+                ac = _linear(ac.transpose(1, 2).reshape(N * K, C), c["o"])
+                a = a + ac if p["gate"] is None else p["gate"](a, ac)
+            x = x + a
             if not p["nb"]:
                 x = self._ln(x, p["ln2"])
             # feed-forward
@@ -324,9 +379,10 @@ def capture(module: StepGraph, decoder):
     d = module.C // H
     K = int(getattr(decoder, "group_size", 1))
     N, S, T = 2, 5, LENGTH_BUCKET
+    ctx = (L, N, H, S, d) if any(p["ctx"] is not None for p in module.layers) else (0,)
     example = (torch.full((N, K), decoder.dictionary.eos(), dtype=torch.long), torch.arange(K),
                torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, S, d),
-               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S))
+               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx))
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PyTorch 2.13 announces TorchScript's end (module docstring)
@@ -335,6 +391,17 @@ def capture(module: StepGraph, decoder):
         logger.info(f"static step: torch.jit.trace is not available ({type(e).__name__}: {e}); the step runs "
                     f"eagerly (the same numbers, slower)")
         return module
+
+
+def memories_of(decoder, encoder_out):
+    """(the memory [S, N, C] each layer's encoder attention reads, each layer's second memory or None, the source
+    padding [N, S] or None): the encoder output for every layer, or what the decoder's ``static_step_memories``
+    says (:func:`declares_memories`)."""
+    if declares_memories(decoder):
+        return decoder.static_step_memories(encoder_out)
+    pads = encoder_out.get("encoder_padding_mask") or []
+    enc = encoder_out["encoder_out"][0]
+    return [enc] * len(decoder.layers), [None] * len(decoder.layers), pads[0] if len(pads) > 0 else None
 
 
 class StaticState:
@@ -346,22 +413,21 @@ class StaticState:
     the buffer the previous reorder freed (CTranslate2's in-place reorder: no allocation per step)."""
 
     def __init__(self, decoder, encoder_out, rows: int):
-        enc = encoder_out["encoder_out"][0]  # [S, N0, C]
-        pads = encoder_out.get("encoder_padding_mask") or []
         self.L = len(decoder.layers)
         self.H = decoder.layers[0].self_attn.num_heads
-        S, N0, C = enc.shape
-        self.d = C // self.H
+        self.d = decoder.embed_tokens.weight.size(1) // self.H
+        memories, contexts, pad = memories_of(decoder, encoder_out)
+        enc = memories[0]  # [S, N0, C]
+        S, N0 = enc.shape[:2]
         with torch.no_grad():
-            ks, vs = [], []
-            for layer in decoder.layers:
-                ca = layer.encoder_attn
-                ks.append(ca.k_proj(enc).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
-                vs.append(ca.v_proj(enc).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
-            self.src_k, self.src_v = torch.stack(ks), torch.stack(vs)
+            self.src_k, self.src_v = self._project([layer.encoder_attn for layer in decoder.layers], memories)
+            self.ctx_k = self.ctx_v = enc.new_zeros(0)
+            if any(c is not None for c in contexts):
+                self.ctx_k, self.ctx_v = self._project([getattr(layer, "context_attn", None)
+                                                        for layer in decoder.layers], contexts)
             bias = enc.new_zeros(N0, 1, 1, S)
-            if len(pads) > 0 and pads[0] is not None:
-                bias.masked_fill_(pads[0].view(N0, 1, 1, S), float("-inf"))
+            if pad is not None:
+                bias.masked_fill_(pad.view(N0, 1, 1, S), float("-inf"))
             self.src_bias = bias
         if rows % N0:
             raise ValueError(f"static step: {rows} rows for {N0} sources (a whole number of rows per source)")
@@ -369,6 +435,20 @@ class StaticState:
         self.k = self.v = self._spare_k = self._spare_v = None
         self.length = 0
         self._zeros(rows, LENGTH_BUCKET, enc)
+
+    def _project(self, attentions, memories):
+        """The keys and values [L, N0, H, S, d] of each layer's memory [S, N0, C] through its attention's
+        projections (zeros for a layer without that attention: never read)."""
+        ks, vs = [], []
+        for att, mem in zip(attentions, memories):
+            S, N0 = mem.shape[:2]
+            if att is None or mem is None:
+                ks.append(mem.new_zeros(N0, self.H, S, self.d))
+                vs.append(ks[-1])
+                continue
+            ks.append(att.k_proj(mem).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
+            vs.append(att.v_proj(mem).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
+        return torch.stack(ks), torch.stack(vs)
 
     def _zeros(self, rows: int, capacity: int, like: Tensor) -> None:
         shape = (self.L, rows, self.H, capacity, self.d)
@@ -415,6 +495,8 @@ class StaticState:
                 return
             index = torch.tensor(firsts, dtype=torch.long, device=order.device)
         self.src_k, self.src_v = self.src_k.index_select(1, index), self.src_v.index_select(1, index)
+        if self.ctx_k.numel():
+            self.ctx_k, self.ctx_v = self.ctx_k.index_select(1, index), self.ctx_v.index_select(1, index)
         self.src_bias = self.src_bias.index_select(0, index)
 
 
@@ -426,7 +508,7 @@ def static_call(step: Step, state: StaticState, tokens: Tensor, first: int, temp
     state.reserve(end)
     T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
     x, attn = step.graph.forward(tokens, torch.arange(first, end), state.k[:, :, :, :T], state.v[:, :, :, :T],
-                                 state.src_k, state.src_v, state.src_bias)
+                                 state.src_k, state.src_v, state.src_bias, state.ctx_k, state.ctx_v)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:

@@ -386,6 +386,18 @@ class MSCDecoder(TransformerDecoderBase):
         # as fairseq: with --ddp-backend fully_sharded each (checkpointed) layer is its own FSDP unit
         return fsdp_wrap(layer, min_num_params=0 if cfg.checkpoint_activations else cfg.min_params_to_wrap)
 
+    def static_step_memories(self, encoder_out):
+        """For the static decoder step (fairseq_ext/inference/static_step.py): the memory each layer attends
+        (B_e^n with block-scale collaboration, else the top block; Eq. 7), each layer's context (C^n or C^N;
+        Eq. 11, fused by the layer's gate, Eq. 12-13) or None, and the source padding."""
+        blocks, contexts = msc_encoder_states(encoder_out)
+        n_layers = len(self.layers)
+        memories = [blocks[n] if self.msc.block_scale else blocks[-1] for n in range(n_layers)]
+        ctx = [(contexts[n + 1] if self.msc.block_scale else contexts[-1]) if contexts else None
+               for n in range(n_layers)]
+        pads = encoder_out["encoder_padding_mask"]
+        return memories, ctx, pads[0] if pads else None
+
     def _cross_attention_cached(self, incremental_state) -> bool:
         """True once the cross attentions hold their static keys/values (every search step after the first)."""
         if incremental_state is None:

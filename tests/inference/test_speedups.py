@@ -331,8 +331,8 @@ def test_lean_decoder_keeps_the_hypotheses(K):
 def test_sat_generator_steps_static_by_default_then_lean_then_own_without_changing_the_model(monkeypatch):
     """The generator's default: every decoder call through the static step (fairseq_ext/inference/static_step.py);
     static_step=False: every call through lean_decoder.lean_step; lean_step=False: the decoder's own step; the
-    model's class unchanged throughout; the own step where neither computes the decoder or is not for it (MSC,
-    attention modules with their own code, float64)."""
+    model's class unchanged throughout; the own step where neither computes the decoder or is not for it
+    (attention modules with their own code, float64; MSC without the static step)."""
     import fairseq_ext.sat.generator as generator_module
     calls = {"lean": [], "static": []}
     for name, attr in (("lean", "lean_step"), ("static", "static_call")):
@@ -359,8 +359,10 @@ def test_sat_generator_steps_static_by_default_then_lean_then_own_without_changi
     own_attention = sat_model(2, seed=31)
     for layer in own_attention.decoder.layers:  # attention modules of another class: their own code runs
         layer.self_attn.__class__ = _OwnAttention
-    for other in (msc_build()[0], own_attention, sat_model(2, seed=31).double()):
+    for other in (own_attention, sat_model(2, seed=31).double()):
         assert SATSequenceGenerator([other], DICT, beam_size=2).model.step_name == "own"
+    # MSC declares its memories: the static step, not the lean one
+    assert SATSequenceGenerator([msc_build()[0]], DICT, beam_size=2, static_step=False).model.step_name == "own"
     mixed = lean_decoder(sat_model(2, seed=31))  # lean-decoder applied: the same step, counted as the lean one
     assert SATSequenceGenerator([mixed], DICT, beam_size=2, static_step=False).uses_lean_step
     # the dtype and device are checked on every call: a model cast after its generator was built takes its own

@@ -240,7 +240,6 @@ def test_default_generator_hands_a_call_with_prefix_tokens_to_fairseqs(caplog):
     ("env", "FAIRSEQ_EXT_STOCK_GENERATOR is set"),
     ("own softmax", "its own get_normalized_probs"),
     ("sat", "a SAT decoder (K > 1)"),
-    ("msc", "does not declare supports_lean_step"),
 ])
 def test_translation_task_falls_back_to_fairseqs_generator_with_one_line(case, expect, caplog, monkeypatch):
     models = [transformer()]
@@ -260,8 +259,6 @@ def test_translation_task_falls_back_to_fairseqs_generator_with_one_line(case, e
         models[0].__class__ = OwnSoftmax
     elif case == "sat":
         models = [sat_model(2)]
-    elif case == "msc":
-        models = [msc_build()[0]]
     with caplog.at_level(logging.INFO, logger="fairseq_ext"):
         gen = _Task().build_generator(models, args)
     assert not isinstance(gen, SATSequenceGenerator)
@@ -293,3 +290,34 @@ def test_sat_static_step_equals_its_lean_step_on_all_acts_verses(acts_bin, beam)
     assert "decoder step: static" in static.stderr and "decoder step: lean" in lean.stderr
     a, b = hypotheses(static.stdout), hypotheses(lean.stdout)
     assert len(a) == 1003 and [a[i][1] for i in sorted(a)] == [b[i][1] for i in sorted(b)]
+
+
+@pytest.mark.parametrize("name", ["msc", "add_fusion", "no_contextual", "no_block_scale", "uneven_blocks"])
+def test_static_step_equals_the_full_pass_for_msc_decoders(name):
+    """msc_transformer's decoder declares its memories (block n, the context C^n fused by the gate): the static
+    step computes it, incremental == full pass, and its greedy / beam hypotheses equal fairseq's generator's."""
+    from tests.builders import msc_flags
+
+    m, d = msc_build(extra=msc_flags(name))
+    m.eval()
+    assert ss.static_refusal(m) is None
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(d.nspecial, len(d), (3, 7), generator=g)
+    src[:, -1] = d.eos()
+    src[0, :2] = d.pad()
+    lengths = (src != d.pad()).sum(1)
+    prev = torch.randint(d.nspecial, len(d), (3, 2 * ss.LENGTH_BUCKET + 3), generator=g)
+    prev[:, 0] = d.eos()
+    lprobs, attn = static_pass(m, src, lengths, prev)
+    full, full_attn = full_pass(m, src, lengths, prev)
+    assert_close(lprobs, full, atol=1e-5)
+    assert_close(attn, full_attn, atol=1e-5)
+    sample = sat_sample(src, lengths)
+    for beam in (1, 3):
+        ours = SATSequenceGenerator([m], d, beam_size=beam, max_len_a=0, max_len_b=10)
+        ref = SequenceGenerator([m], d, beam_size=beam, max_len_a=0, max_len_b=10)
+        a = ours.generate([m], sample)
+        with torch.no_grad():
+            b = ref.generate([m], sample)
+        assert ours.model.step_name == "static"
+        assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
