@@ -154,7 +154,7 @@ def bleu(task, hyps, refs):
     return score.score, str(b.get_signature())
 
 
-def references(n=None):
+def references():
     import gzip
 
     with gzip.open(os.path.join(CORPUS, "test.en.gz"), "rt", encoding="utf-8") as f:

@@ -177,10 +177,12 @@ class _Projections:
 
     def __call__(self, *ms):
         if all(type(m) is torch.nn.Linear for m in ms):
-            w = torch.cat([m.weight for m in ms]) if len(ms) > 1 else ms[0].weight
-            bs = [m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.out_features) for m in ms]
-            b = (torch.cat(bs) if len(ms) > 1 else _bias(ms[0])) if any(m.bias is not None for m in ms) else None
-            return _layout(w) + (b,)
+            if len(ms) == 1:
+                return _layout(ms[0].weight) + (_bias(ms[0]),)
+            b = None
+            if any(m.bias is not None for m in ms):  # a missing bias stacks as zeros
+                b = torch.cat([_bias(m) if m.bias is not None else m.weight.new_zeros(m.out_features) for m in ms])
+            return _layout(torch.cat([m.weight for m in ms])) + (b,)
         if len(ms) > 1:  # int8 (or a mix): one fused int8 product where the weights stack, else one each
             fused = stacked_int8(ms) if all(isinstance(m, DynamicQuantizedLinear) for m in ms) else None
             if fused is None:
