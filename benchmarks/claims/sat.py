@@ -240,10 +240,12 @@ def _speed_rows(speed, ks):
     return srows
 
 
-def _repeat_rows(reps):
-    return [[f"K={f['K']}", f["repeats_inside_groups"], f["pairs_inside"],
-             f"{100 * f['repeats_inside_groups'] / max(1, f['pairs_inside']):.1f}%", f["repeats_across_groups"],
-             f["pairs_across"], f"{100 * f['repeats_across_groups'] / max(1, f['pairs_across']):.1f}%"] for f in reps]
+def _repeat_rows(reps, students):
+    """One row per student of ``students`` (names ``sat-k{K}-{recipe}``, in the order of ``reps``)."""
+    return [[f"K={f['K']}, {'distilled' if n.endswith('-kd') else 'real'} targets", f["repeats_inside_groups"],
+             f["pairs_inside"], f"{100 * f['repeats_inside_groups'] / max(1, f['pairs_inside']):.1f}%",
+             f["repeats_across_groups"], f["pairs_across"],
+             f"{100 * f['repeats_across_groups'] / max(1, f['pairs_across']):.1f}%"] for f, n in zip(reps, students)]
 
 
 def ratios(ev, teacher, ks, key="bleu_test_beam4"):
@@ -369,7 +371,8 @@ def report(ctx, outcome):
     prov, prov_line = R.provenance(used, "sat")
     prow = [[n[10:].replace("-lr", ", lr ").replace("-", ", ", 1), R.fmt(b)]
             for n, b in sorted(outcome["pilots"].items())]
-    tables = (_bleu_rows(outcome, ev, tr, teacher, teacher_tr), prow, _speed_rows(speed, ks), _repeat_rows(reps))
+    tables = (_bleu_rows(outcome, ev, tr, teacher, teacher_tr), prow, _speed_rows(speed, ks),
+              _repeat_rows(reps, outcome["students"]))
     md = _markdown(S, a, outcome, verdict, reason, tables, ev, teacher, fig6, prov_line)
     record = {"verdict": verdict, "reason": reason,
               "ratio_to_teacher": {str(K): round(best[K], 4) for K in ks if K > 1},
