@@ -13,7 +13,7 @@ Contenders (the release transformer unless named otherwise), each decoding the s
 * ``SAT K=2`` (the release ``sat_transformer_k2.pt``; more with ``--sat NAME=PATH``) through
   ``--task translation_sat``'s generator, on the static step;
 * ``int8``: the default search with every decoder ``nn.Linear`` in int8 (``--inference-speedups int8-decoder``,
-  PyTorch's dynamic quantisation; its calls take the lean step);
+  PyTorch's dynamic quantisation, on the same static step);
 * ``CTranslate2 int8`` and ``float32``: the transformer converted with CTranslate2's fairseq converter (the ``bench``
   extra: ``pip install -e .[bench]``, or ``pip install ctranslate2==4.8.5``; left out with a note when it is
   missing).

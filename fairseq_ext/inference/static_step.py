@@ -435,6 +435,7 @@ class StaticState:
             raise ValueError(f"static step: {rows} rows for {N0} sources (a whole number of rows per source)")
         self.rows_per_source = rows // N0
         self.k = self.v = self._spare_k = self._spare_v = None
+        self._window = None  # (T, k, k[..., :T], v[..., :T]) of the caches now
         self.length = 0
         self._zeros(rows, LENGTH_BUCKET, enc)
 
@@ -461,6 +462,13 @@ class StaticState:
         self.k, self.v = k, v
         self._spare_k = self._spare_v = None
 
+    def window(self, T: int):
+        """The caches' first T positions (views, kept until the caches change)."""
+        w = self._window
+        if w is None or w[0] != T or w[1] is not self.k:
+            w = self._window = (T, self.k, self.k[:, :, :, :T], self.v[:, :, :, :T])
+        return w[2], w[3]
+
     @property
     def capacity(self) -> int:
         return self.k.size(3)
@@ -470,7 +478,9 @@ class StaticState:
         if end > self.capacity:
             self._zeros(self.k.size(1), max(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, 2 * self.capacity), self.k)
 
-    def reorder(self, order: Tensor) -> None:
+    def reorder(self, order: Tensor, same_sources: bool = False) -> None:
+        """The rows follow ``order``; ``same_sources``: every new row reads the source its old row read (a beam
+        reordered within its sentences): the source tensors stay as they are, unchecked."""
         n = self.length
         shape = (self.L, order.size(0)) + tuple(self.k.shape[2:])
         if self._spare_k is None or tuple(self._spare_k.shape) != shape:  # a new row count: fresh zeros
@@ -480,7 +490,8 @@ class StaticState:
         (self.k, self._spare_k), (self.v, self._spare_v) = (self._spare_k, self.k), (self._spare_v, self.v)
         if tuple(self._spare_k.shape) != shape:
             self._spare_k = self._spare_v = None
-        self._reorder_sources(order)
+        if not same_sources:
+            self._reorder_sources(order)
 
     def _reorder_sources(self, order: Tensor) -> None:
         """The source tensors follow the sources of the new rows: kept when a beam search reorders within each
@@ -502,17 +513,24 @@ class StaticState:
         self.src_bias = self.src_bias.index_select(0, index)
 
 
-def static_call(step: Step, state: StaticState, tokens: Tensor, first: int, temperature: float = 1.0):
-    """Log-probabilities [N, K, V] (of the logits divided by ``temperature``: fairseq's get_normalized_probs) and
-    attention [N, K, S] of the K new positions first..first+K-1 (``tokens`` [N, K])."""
+def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, temperature: float = 1.0):
+    """Logits [N, K, V] (divided by ``temperature``) and attention [N, K, S] of the K new positions
+    first..first+K-1 (``tokens`` [N, K])."""
     N, K = tokens.shape
     end = first + K
     state.reserve(end)
     T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
-    x, attn = step.graph.forward(tokens, torch.arange(first, end), state.k[:, :, :, :T], state.v[:, :, :, :T],
-                                 state.src_k, state.src_v, state.src_bias, state.ctx_k, state.ctx_v)
+    k, v = state.window(T)
+    x, attn = step.graph.forward(tokens, torch.arange(first, end), k, v, state.src_k, state.src_v, state.src_bias,
+                                 state.ctx_k, state.ctx_v)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:
         logits = logits.div_(temperature)
+    return logits, attn
+
+
+def static_call(step: Step, state: StaticState, tokens: Tensor, first: int, temperature: float = 1.0):
+    """Log-probabilities [N, K, V] (fairseq's get_normalized_probs of :func:`static_logits`) and attention."""
+    logits, attn = static_logits(step, state, tokens, first, temperature)
     return torch.log_softmax(logits, dim=-1), attn

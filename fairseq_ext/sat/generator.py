@@ -21,6 +21,11 @@ s(h) + sum_k lp_k(v_k | h).
   Why the per-position top B suffice, and how a group step scores them: :mod:`fairseq_ext.sat.group_step`.
 
 A plain fairseq ``transformer`` is decoded as K = 1.
+
+On the static decoder step (:mod:`fairseq_ext.inference.static_step`, the default on a CPU in float32) the greedy
+search and the K = 1 beam search run each step's rules, choice and writes as TorchScript functions
+(:mod:`fairseq_ext.sat.step_rules`), and fairseq's own encoder runs traced
+(:mod:`fairseq_ext.inference.static_encoder`); the hypotheses are the op-by-op searches'.
 """
 
 import logging
@@ -41,8 +46,10 @@ from fairseq.sequence_generator import (
 from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_states, lean_applies, lean_refusal,
                                                lean_step, only_lean_state, reorder_lean_state)
+from fairseq_ext.inference.static_encoder import encoder_refusal, static_encode
 from fairseq_ext.inference.static_step import STATE_KEY as STATIC_KEY
-from fairseq_ext.inference.static_step import StaticState, static_call, static_refusal, step_graph
+from fairseq_ext.inference.static_step import StaticState, static_call, static_logits, static_refusal, step_graph
+from fairseq_ext.sat import step_rules
 from fairseq_ext.sat.group_step import GroupStep
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
@@ -96,6 +103,8 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         self._lean_refusal = lean_refusal(self.single_model.decoder) if lean_step else "--no-lean-step"
         self._static_refusal = (static_refusal(self.single_model) if static_step else "--no-static-step") \
             if lean_step else "--no-lean-step"
+        self._encoder_refusal = encoder_refusal(self.single_model.encoder) if self._static_refusal is None else \
+            self._static_refusal
 
     @property
     def uses_lean_step(self) -> bool:
@@ -106,12 +115,21 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         return self._static_refusal is None and float32_on_cpu(self.single_model.decoder) \
             and not self.single_model.decoder.training
 
+    def forward_encoder(self, net_input):
+        """fairseq's encoder call; with the static step, through the trace of fairseq's own encoder code
+        (:mod:`fairseq_ext.inference.static_encoder`: the same output) where the encoder is fairseq's."""
+        encoder = self.single_model.encoder
+        if self._encoder_refusal is None and self.uses_static_step and not encoder.training \
+                and float32_on_cpu(encoder) and set(net_input) <= {"src_tokens", "src_lengths", "prev_output_tokens"}:
+            return [static_encode(encoder, net_input)]
+        return super().forward_encoder(net_input)
+
     @property
     def step_name(self) -> str:
         """The decoder step that calls take now: "static", "lean" or "own"."""
         return "static" if self.uses_static_step else "lean" if self.uses_lean_step else "own"
 
-    def _static_group(self, decoder_input, encoder_out, incremental_state, temperature: float):
+    def _static_group(self, call, decoder_input, encoder_out, incremental_state, temperature: float):
         K = self.group_size
         state = incremental_state.get(STATIC_KEY)
         if state is None:
@@ -119,7 +137,13 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
                 self.single_model.decoder, encoder_out, decoder_input.size(0))
             state.step = step_graph(self.single_model.decoder)
         first = decoder_input.size(1) - K
-        return static_call(state.step, state, decoder_input[:, first:], first, temperature)
+        return call(state.step, state, decoder_input[:, first:], first, temperature)
+
+    def decode_logits(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
+        """:meth:`decode_group` on the static step (``uses_static_step``), returning the logits [N, K, V] (divided
+        by ``temperature``) for the searches' scripted rules (:mod:`fairseq_ext.sat.step_rules`)."""
+        self.decoder_calls += 1
+        return self._static_group(static_logits, decoder_input, encoder_out, incremental_state, temperature)
 
     def decode_group(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """decoder_input: [N, n] SAT decoder input (K-1 start symbols, BOS and the words generated so far; n a
@@ -130,7 +154,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         self.decoder_calls += 1
         decoder = self.single_model.decoder
         if STATIC_KEY in incremental_state or (not incremental_state and self.uses_static_step):
-            return self._static_group(decoder_input, encoder_out, incremental_state, temperature)
+            return self._static_group(static_call, decoder_input, encoder_out, incremental_state, temperature)
         if self.uses_lean_step and lean_applies(decoder, decoder_input, incremental_state):
             x, extra = lean_step(decoder, decoder_input, encoder_out, incremental_state)
             x = decoder.output_layer(x)
@@ -212,15 +236,31 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             lprobs[:, :, self.token_indices_to_suppress] = -math.inf
         return lprobs
 
-    def _reorder(self, state, encoder_outs, rows: Tensor):
+    def _scripted_rules(self, device):
+        """:mod:`fairseq_ext.sat.step_rules`' scripted functions where the search runs on the static step (its
+        logits: :meth:`SATEnsembleModel.decode_logits`), else None; keeps fairseq's rules of every step as a row
+        for :meth:`_rule_bias`."""
+        if not self.model.uses_static_step:
+            return None
+        self._base_bias = step_rules.base_bias(self.vocab_size, self.pad, self.unk, self.unk_penalty,
+                                               self.token_indices_to_suppress, device)
+        return step_rules.scripted()
+
+    def _rule_bias(self, step: int, max_len: int) -> Tensor:
+        """fairseq's rules of :meth:`_constrain` for positions step..step+K-1 as an additive row per position."""
+        return step_rules.rule_bias(self._base_bias, self.eos, step, self.group_size, max_len, self.min_len)
+
+    def _reorder(self, state, encoder_outs, rows: Tensor, same_sources: bool = False):
         """The decoder's state follows ``rows``; so does the encoder output, unless the decoder no longer reads it
         (the lean step keeps the source keys and values itself: ``holds_encoder_states``). fairseq's
         ``reorder_incremental_state_scripting`` asks every submodule for ``reorder_incremental_state`` on every
         call (97 ``hasattr`` for the quickstart decoder; ``python -m benchmarks.speed.beam_parts`` times both
-        walks); the same calls in the same order here, with the modules that have it found once per search."""
+        walks); the same calls in the same order here, with the modules that have it found once per search.
+        ``same_sources``: every row of ``rows`` reads the source it read before (a beam reordered within its
+        sentences), which the static step then need not check."""
         decoder = self.model.single_model.decoder
         if STATIC_KEY in state:  # the static step holds the source keys and values too
-            state[STATIC_KEY].reorder(rows)
+            state[STATIC_KEY].reorder(rows, same_sources)
             return encoder_outs
         if only_lean_state(state):  # the lean step's state is all there is
             reorder_lean_state(decoder, state, rows)
@@ -281,32 +321,31 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         alive: List[int] = list(range(bsz))  # row -> sentence
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         k_index = torch.arange(K, device=tokens.device)
+        rules = self._scripted_rules(tokens.device)
         for step in range(0, n_steps, K):
-            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
-                                                         self.temperature)
-            lprobs = self._constrain(lprobs, step, max_len)
-            best_lp, best = lprobs.max(dim=-1)  # [n, K]
-            # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
-            # _constrain): the only host read of the step
-            first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
-            if best_lp.is_cpu:
-                first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
-            ends = first_eos.tolist()
-            if max(ends) > K:
+            # the static step at few rows: logits, then the rules, the choice and the writes in one scripted call
+            scripted = rules is not None and tokens.size(0) <= step_rules.SCRIPTED_MAX_ROWS
+            decode = self.model.decode_logits if scripted else self.model.decode_group
+            out, group_attn = decode(tokens[:, : step + K], encoder_outs[0], state, self.temperature)
+            if group_attn is not None and attn is None:
+                attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
+            if scripted:
+                lprobs, first_eos = rules[0](out, self._rule_bias(step, max_len), self.eos, tokens, cum, attn,
+                                             group_attn, step)
+            else:
+                lprobs = self._constrain(out, step, max_len)
+                best_lp, best = lprobs.max(dim=-1)  # [n, K]
+                # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
+                # _constrain)
+                first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
+                if best_lp.is_cpu:
+                    first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
+                step_rules._greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
+            ends = first_eos.tolist()  # the only host read of the step
+            if max(ends) > K:  # a NaN chosen: the choice on the corrected distributions, written over
                 best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
                 ends = torch.where(best.eq(self.eos), k_index, K).amin(dim=1).tolist()
-            tokens[:, K + step: 2 * K + step] = best
-            # cumulative scores: fairseq's running float sum for K = 1; cumsum (in double on a CPU: within an ulp
-            # of the running sum) for a group
-            if K == 1:
-                cum[:, step: step + 1] = best_lp if step == 0 else cum[:, step - 1: step] + best_lp
-            else:
-                prev_cum = cum[:, step - 1: step] if step else cum.new_zeros(cum.size(0), 1)
-                cum[:, step: step + K] = torch.cat([prev_cum, best_lp], 1).cumsum(1)[:, 1:]
-            if group_attn is not None:
-                if attn is None:
-                    attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
-                attn[:, :, step: step + K] = group_attn.transpose(1, 2)
+                step_rules._greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
             done = [row for row, j in enumerate(ends) if j < K]
             if not done:
                 continue
@@ -339,26 +378,48 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         state: Dict[str, Dict[str, Optional[Tensor]]] = {}
         attn: Optional[Tensor] = None
         P = 1
+        # on the static step (and without n-gram blocking), at few rows, the step's rules, choice and bookkeeping
+        # are scripted
+        rules = self._scripted_rules(dev) if self.repeat_ngram_blocker is None else None
         for step in range(n_steps):
             n = len(sents)
-            lprobs, step_attn = self.model.decode_group(tokens[:, : step + 1], encoder_outs[0], state,
-                                                        self.temperature)
-            lprobs = self._constrain(lprobs, step, max_len)
-            if self.repeat_ngram_blocker is not None:  # tokens is fairseq's buffer exactly for K = 1
-                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
-            V = lprobs.size(-1)
+            V = self.vocab_size
             k = min(2 * B, P * V - 1)
-            cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
-            if self._selected_nan(cand_sc):
-                lprobs = self._nan_to_neg_inf(lprobs)
+            status = None
+            scripted = rules is not None and n * P <= step_rules.SCRIPTED_MAX_ROWS
+            if scripted:
+                logits, step_attn = self.model.decode_logits(tokens[:, : step + 1], encoder_outs[0], state,
+                                                             self.temperature)
+                lprobs, cand_sc, parents, words, finite_eos, active, status = rules[1](
+                    logits, self._rule_bias(step, max_len), scores, n, P, k, B, eos)
+                status = status.tolist()  # the host read of the step
+                if status[-1]:  # a NaN among the top k: the step again on the corrected distributions
+                    status = None
+            else:
+                lprobs, step_attn = self.model.decode_group(tokens[:, : step + 1], encoder_outs[0], state,
+                                                            self.temperature)
+                lprobs = self._constrain(lprobs, step, max_len)
+                if self.repeat_ngram_blocker is not None:  # tokens is fairseq's buffer exactly for K = 1
+                    lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+            if status is None:
+                V = lprobs.size(-1)
+                k = min(2 * B, P * V - 1)
                 cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
-            parents = torch.div(cand_i, V, rounding_mode="floor")
-            words = cand_i - parents * V
-            finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)  # [n, 2B]
+                if self._selected_nan(cand_sc):
+                    lprobs = self._nan_to_neg_inf(lprobs)
+                    cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
+                parents = torch.div(cand_i, V, rounding_mode="floor")
+                words = cand_i - parents * V
+                finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)  # [n, 2B]
+                active = None
+                status = finite_eos[:, :B].reshape(-1).tolist()  # the host read of the step
             if step_attn is not None and attn is None:
                 attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
             done = [False] * n
-            for s_, flags in enumerate(finite_eos[:, :B].tolist()):  # the host read of the step
+            for s_ in range(n):
+                flags = status[s_ * B: (s_ + 1) * B]
+                if not any(flags):
+                    continue
                 hyps = finalized[sents[s_]]
                 for c, is_eos in enumerate(flags):
                     if is_eos and len(hyps) < B:
@@ -376,24 +437,20 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             if not keep_sents:
                 break
             # the first B candidates of each remaining sentence that are not a finite EOS (fairseq's active_hypos)
-            active = (finite_eos.long() * k + torch.arange(k, device=dev)).topk(B, dim=1, largest=False).indices
+            if active is None:
+                active = (finite_eos.long() * k + torch.arange(k, device=dev)).topk(B, dim=1, largest=False).indices
             keep = torch.tensor(keep_sents, device=dev) if len(keep_sents) < n else None
             if keep is not None:
                 active, cand_sc = active.index_select(0, keep), cand_sc.index_select(0, keep)
                 parents, words = parents.index_select(0, keep), words.index_select(0, keep)
             base = (keep if keep is not None else torch.arange(n, device=dev)).unsqueeze(1) * P
-            rows = (base + parents.gather(1, active)).view(-1)
-            scores = cand_sc.gather(1, active).view(-1)
-            tokens = tokens.index_select(0, rows)
-            tokens[:, step + 1] = words.gather(1, active).view(-1)
-            cum = cum.index_select(0, rows)
-            cum[:, step] = scores
-            if attn is not None:
-                attn = attn.index_select(0, rows)
-                attn[:, :, step] = step_attn[:, 0].index_select(0, rows)
+            advance = rules[2] if scripted else step_rules._beam_advance
+            rows, scores, tokens, cum, attn = advance(tokens, cum, attn, step_attn, cand_sc, parents, words, active,
+                                                      base, step)
             sents = [sents[s_] for s_ in keep_sents]
+            # the rows of a sentence stay together: the sources move only when the beam opens or sentences leave
+            encoder_outs = self._reorder(state, encoder_outs, rows, same_sources=P == B and keep is None)
             P = B
-            encoder_outs = self._reorder(state, encoder_outs, rows)
         return self._sorted(finalized)
 
     def _group_beam_search(self, sample, bos_token: Optional[int] = None):

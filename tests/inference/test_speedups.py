@@ -335,7 +335,7 @@ def test_sat_generator_steps_static_by_default_then_lean_then_own_without_changi
     (attention modules with their own code, float64; MSC without the static step)."""
     import fairseq_ext.sat.generator as generator_module
     calls = {"lean": [], "static": []}
-    for name, attr in (("lean", "lean_step"), ("static", "static_call")):
+    for name, attr in (("lean", "lean_step"), ("static", "static_call"), ("static", "static_logits")):
         real = getattr(generator_module, attr)
         monkeypatch.setattr(generator_module, attr,
                             lambda *a, _real=real, _name=name, **k: calls[_name].append(1) or _real(*a, **k))

@@ -15,7 +15,9 @@ from fairseq.tasks.translation import TranslationTask
 
 import fairseq_ext  # noqa: F401  (registers the plugin and the default generator)
 from fairseq_ext.inference import default_generator
+from fairseq_ext.inference import static_encoder
 from fairseq_ext.inference import static_step as ss
+from fairseq_ext.inference.static_encoder import encoder_refusal, static_encode
 from fairseq_ext.inference.speedups import apply_speedups
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from tests.builders import SAT_DICT as DICT
@@ -170,6 +172,38 @@ def test_graph_is_made_again_when_a_weight_or_module_changes():
     assert step is not g2 and len(int8_modules) == 12  # 6 a layer: q/k/v fused, out, cq, co, fc1, fc2
 
 
+
+@pytest.mark.parametrize("normalize_before", [False, True])
+def test_traced_encoder_equals_fairseqs_encoder_with_and_without_padding_and_after_a_weight_change(
+        normalize_before):
+    """The static path's encoder (fairseq_ext/inference/static_encoder.py) is fairseq's own code traced: its output
+    is fairseq's bit for bit, for padded and unpadded batches (one trace each) at several shapes, and it follows a
+    weight changed in place."""
+    m = transformer(normalize_before=normalize_before, learned=normalize_before)
+    enc = m.encoder
+
+    def check(src):
+        net_input = {"src_tokens": src, "src_lengths": src.ne(DICT.pad()).sum(1)}
+        with torch.no_grad():
+            got, expected = static_encode(enc, net_input), enc.forward_torchscript(net_input)
+        for key in ("encoder_out", "encoder_padding_mask", "encoder_embedding", "src_lengths"):
+            assert torch.equal(got[key][0], expected[key][0]), key
+        return got["encoder_out"][0]
+
+    shapes = [(3, 9), (1, 5), (4, 23)]
+    for bsz, src_len in shapes:
+        src, _, _ = batch(bsz=bsz, src_len=src_len, seed=src_len)
+        check(src)  # row 0 left-padded when bsz > 1
+        check(src[-1:])  # no padding
+    assert len(static_encoder._TRACES[enc][1]) == 2  # one trace per branch of fairseq's code, for every shape
+    src, _, _ = batch()
+    before = check(src)
+    with torch.no_grad():
+        enc.layers[0].fc1.weight.mul_(1.5)
+    assert not torch.equal(check(src), before)
+    assert encoder_refusal(enc) is None
+    assert "own forward" in encoder_refusal(msc_build()[0].encoder)
+
 # -- the generators ------------------------------------------------------------------------------------------
 def gen_args(**kw):
     base = dict(beam=3, nbest=1, max_len_a=0, max_len_b=12, min_len=1, lenpen=1.0, unkpen=0.0, temperature=1.0,
@@ -185,13 +219,47 @@ def test_sat_generator_on_the_static_step_gives_the_lean_steps_hypotheses(beam):
         sample = sat_sample(src, lengths)
         static = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
         lean = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12, static_step=False)
-        a, b = static.generate([m], sample), lean.generate([m], sample)
+        a = static.generate([m], sample)
+        assert m.encoder in static_encoder._TRACES  # the encoder ran as fairseq's code traced
+        b = lean.generate([m], sample)
         with torch.inference_mode():
             assert static.model.step_name == "static" and lean.model.step_name == "lean"
         for ha, hb in zip(a, b):
             assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
             assert_close(torch.stack([h["score"] for h in ha]), torch.stack([h["score"] for h in hb]), atol=1e-5)
 
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_scripted_rules_and_op_by_op_rules_give_the_same_hypotheses_and_can_alternate(beam, monkeypatch):
+    """The static step's searches run fairseq's rules as scripted functions up to SCRIPTED_MAX_ROWS rows a step and
+    op by op above: the hypotheses and scores are the same bit for bit whichever runs, and a search that crosses
+    the bound mid-way (sentences leave) switches without a trace."""
+    from fairseq_ext.sat import generator as generator_module
+    from fairseq_ext.sat import step_rules
+    m = transformer()
+    src, lengths, _ = batch(bsz=6, src_len=7, seed=3)
+    sample = sat_sample(src, lengths)
+    calls = {"decode_logits": 0, "decode_group": 0}
+    for name in calls:
+        real = getattr(generator_module.SATEnsembleModel, name)
+        monkeypatch.setattr(generator_module.SATEnsembleModel, name,
+                            lambda self, *a, _real=real, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1)
+                            or _real(self, *a, **k))
+    outs = {}
+    for bound in (0, 5, 10 ** 6):  # never, crossed mid-search, always
+        monkeypatch.setattr(step_rules, "SCRIPTED_MAX_ROWS", bound)
+        calls.update(decode_logits=0, decode_group=0)
+        gen = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+        outs[bound] = gen.generate([m], sample)
+        assert gen.model.step_name == "static"
+        assert (calls["decode_logits"] > 0) == (bound > 0) and (calls["decode_group"] > 0) == (bound < 10 ** 6)
+    for bound in (5, 10 ** 6):
+        for ha, hb in zip(outs[0], outs[bound]):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+            for key in ("score", "positional_scores", "attention"):
+                for a, b in zip(ha, hb):
+                    assert torch.equal(a[key], b[key]), key
 
 class _Task(TranslationTask):
     def __init__(self):  # only what build_generator reads
@@ -267,10 +335,13 @@ def test_translation_task_falls_back_to_fairseqs_generator_with_one_line(case, e
 
 
 # -- fairseq-generate on the Acts test: the default path against fairseq's own generator -------------------------
+# batch 64: the search's rules op by op at most steps; batch 4: scripted (step_rules.SCRIPTED_MAX_ROWS)
+@pytest.mark.parametrize("release, batch_size", [("transformer", 64), ("msc_transformer", 64), ("transformer", 4)])
 @pytest.mark.parametrize("beam", [1, 4])
-def test_fairseq_generate_default_path_equals_fairseqs_generator_on_all_acts_verses(acts_bin, beam):
-    argv = [acts_bin, "--user-dir", "fairseq_ext", "--path", f"{ROOT}/releases/bible-de-en/transformer.pt",
-            "--gen-subset", "test", "--beam", str(beam), "--batch-size", "64", "--no-progress-bar"]
+def test_fairseq_generate_default_path_equals_fairseqs_generator_on_all_acts_verses(acts_bin, beam, release,
+                                                                                       batch_size):
+    argv = [acts_bin, "--user-dir", "fairseq_ext", "--path", f"{ROOT}/releases/bible-de-en/{release}.pt",
+            "--gen-subset", "test", "--beam", str(beam), "--batch-size", str(batch_size), "--no-progress-bar"]
     ours = run_cli("generate", argv)
     stock = run_cli("generate", argv, env={default_generator.OFF: "1"})
     assert "decoding with the static decoder step" in ours.stderr

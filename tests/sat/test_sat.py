@@ -549,7 +549,9 @@ def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypat
                 mask[-1, -1] = True
             return lprobs.masked_fill(mask, fill), attn
         monkeypatch.setattr(SATEnsembleModel, "decode_group", poisoned)
-        gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1)
+        # the searches' op-by-op rules (the static step's scripted rules: the next test)
+        gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1,
+                                   static_step=False)
         return gen.generate([m], _sample(src, src_lengths))
 
     expected = run(-math.inf)
@@ -558,6 +560,50 @@ def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypat
     assert corrections  # a selected value was NaN, and the step was redone
     _same_hypos(got, expected, f"K={K} beam={beam}", atol=0.0)
     assert all(math.isfinite(float(h["score"])) for hs in got for h in hs)
+
+
+@pytest.mark.parametrize("K,beam", [(1, 1), (1, 3), (2, 1), (3, 1)])
+def test_scripted_rules_count_nan_log_probabilities_as_minus_infinity(K, beam, monkeypatch):
+    """On the static step the rules and the choice are scripted (fairseq_ext/sat/step_rules.py): NaN logits (a
+    whole distribution NaN) give the hypotheses of the op-by-op rules on the same distributions at -inf, and the
+    corrected path runs."""
+    from fairseq_ext.sat.generator import SATEnsembleModel
+    m = _tiny_sat(K, seed=7 + K)
+    src, src_lengths = _tiny_batch(3, seed=K)
+    corrections = []
+    fix = SATSequenceGenerator._nan_to_neg_inf
+    monkeypatch.setattr(SATSequenceGenerator, "_nan_to_neg_inf",
+                        staticmethod(lambda t: corrections.append(1) or fix(t)))
+
+    def rows(self, n):
+        mask = torch.rand(n, generator=torch.Generator().manual_seed(self.decoder_calls)) < 0.3
+        mask[-1] = self.decoder_calls == 2
+        return mask.view(n, 1, 1)
+
+    def generate():
+        gen = SATSequenceGenerator([m], TINY_DICT, beam_size=beam, max_len_a=0, max_len_b=7, min_len=1)
+        return gen, gen.generate([m], _sample(src, src_lengths))
+
+    decode_logits, decode_group = SATEnsembleModel.decode_logits, SATEnsembleModel.decode_group
+
+    def nan_logits(self, *a, **k):
+        logits, attn = decode_logits(self, *a, **k)
+        return logits.masked_fill(rows(self, logits.size(0)), float("nan")), attn
+    monkeypatch.setattr(SATEnsembleModel, "decode_logits", nan_logits)
+    gen, got = generate()
+    assert gen.model.step_name == "static" and corrections
+
+    def minus_inf(self, *a, **k):
+        lprobs, attn = decode_group(self, *a, **k)
+        return lprobs.masked_fill(rows(self, lprobs.size(0)), -math.inf), attn
+    monkeypatch.setattr(SATEnsembleModel, "decode_group", minus_inf)
+    monkeypatch.setattr(SATSequenceGenerator, "_scripted_rules", lambda self, device: None)
+    _, expected = generate()
+    assert [len(hs) for hs in got] == [len(hs) for hs in expected]
+    for x, y in zip(itertools.chain(*got), itertools.chain(*expected)):  # scores -inf (and NaN steps) alike
+        assert x["tokens"].tolist() == y["tokens"].tolist()
+        for key in ("score", "positional_scores"):
+            torch.testing.assert_close(x[key], y[key], rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
