@@ -8,7 +8,9 @@ sources with exactly --length words + EOS, and each part of ``generate`` is time
   fairseq's beam step inside ``_beam_search``, counted in the rest) and the reorder (``_reorder``);
 * the rest of the search (the top B, EOS; bookkeeping): the sentence's time less the parts above.
 
-The generator takes its default, the static decoder step (``--no-lean-step``: the decoder's own step). Then the
+The generator takes its default, the static decoder step (``--no-lean-step``: the decoder's own step), with
+fairseq's rules run op by op, as it runs them above 16 rows a step (at batch 1 it runs them as one scripted call
+with the choice of words, which cannot be timed apart: ``fairseq_ext/sat/step_rules.py``). Then the
 reorder alone, on the K=1 model's state after a search through the decoder's own step: fairseq's
 ``reorder_incremental_state_scripting`` (its walk over every submodule) against the generator's ``_reorder``.
 ``--profile K`` also prints, from ``torch.profiler`` over one more pass, the operators whose self time per
@@ -77,6 +79,8 @@ def timed_generators(a, models, task, samples, names):
         m = apply_speedups(models[name], a.speedups) if a.speedups else models[name].eval()
         g = SATSequenceGenerator([m], task.target_dictionary, beam_size=a.beam, max_len_a=0,
                                  max_len_b=a.length, min_len=a.length, lean_step=not a.no_lean_step)
+        # the rules op by op, so that they can be timed apart (scripted, they are one call with the choice)
+        g._scripted_rules = lambda device: None
         acc = accs[name] = collections.defaultdict(float)
         g.model.decode_group = timed(acc, "decode", g.model.decode_group)
         # TODO(public): times the generator's private steps in place (_start, _reorder, _constrain, the group steps)
@@ -145,9 +149,9 @@ def reorder_walk(a, gens, task, sample):
     captured = {}
     reorder = g._reorder
 
-    def capture(state, encoder_outs, rows):
+    def capture(state, encoder_outs, rows, same_sources=False):
         captured.update(state=state, encoder_outs=encoder_outs, rows=rows)
-        return reorder(state, encoder_outs, rows)
+        return reorder(state, encoder_outs, rows, same_sources)
 
     g._reorder = capture
     with torch.inference_mode():

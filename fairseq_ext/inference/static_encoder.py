@@ -8,7 +8,8 @@ the padding mask or None), so there are two traces per encoder, one per branch, 
 
 Only an encoder whose code is fairseq's own is traced (:func:`encoder_refusal`: the encoder's, its layers' and
 their attention's ``forward``); anything else, or a PyTorch without ``torch.jit.trace``, runs the encoder as it is.
-The traces are made again when a weight changes (in place or replaced), as the decoder's step graph is.
+The traces are made again when a weight changes (in place or replaced), as the decoder's step graph is. While a
+forward hook is on the encoder or one of its modules, the encoder runs as it is, so that the hook runs.
 """
 
 import logging
@@ -80,8 +81,21 @@ def _trace(encoder, src_tokens: Tensor, has_pads: bool):
     return traces[has_pads]
 
 
+def _hooked(encoder) -> bool:
+    """Whether a forward hook would run inside the encoder (a trace would skip it)."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in encoder.modules())
+
+
 def static_encode(encoder, net_input: Dict[str, Tensor]) -> Dict[str, List[Tensor]]:
-    """``encoder.forward_torchscript(net_input)``'s output dictionary, computed by the trace of its branch."""
+    """``encoder.forward_torchscript(net_input)``'s output dictionary, computed by the trace of its branch; by the
+    encoder itself while a forward hook is on it or on any of its modules (a trace runs no hook: fairseq_ext's
+    diagnosis of non-finite outputs, a user's own)."""
+    if _hooked(encoder):
+        return encoder.forward_torchscript(net_input)
     src_tokens = net_input["src_tokens"]
     has_pads = bool(src_tokens.eq(encoder.padding_idx).any())
     x, pad, emb, lengths = _trace(encoder, src_tokens, has_pads)(src_tokens)
