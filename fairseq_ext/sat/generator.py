@@ -383,8 +383,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         rules = self._scripted_rules(dev) if self.repeat_ngram_blocker is None else None
         for step in range(n_steps):
             n = len(sents)
-            V = self.vocab_size
-            k = min(2 * B, P * V - 1)
+            k = min(2 * B, P * self.vocab_size - 1)
             status = None
             scripted = rules is not None and n * P <= step_rules.SCRIPTED_MAX_ROWS
             if scripted:
@@ -402,15 +401,11 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                 if self.repeat_ngram_blocker is not None:  # tokens is fairseq's buffer exactly for K = 1
                     lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
             if status is None:
-                V = lprobs.size(-1)
-                k = min(2 * B, P * V - 1)
-                cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
+                k = min(2 * B, P * lprobs.size(-1) - 1)
+                cand_sc, parents, words, finite_eos = step_rules._top_candidates(lprobs, scores, n, P, k, eos)
                 if self._selected_nan(cand_sc):
                     lprobs = self._nan_to_neg_inf(lprobs)
-                    cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
-                parents = torch.div(cand_i, V, rounding_mode="floor")
-                words = cand_i - parents * V
-                finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)  # [n, 2B]
+                    cand_sc, parents, words, finite_eos = step_rules._top_candidates(lprobs, scores, n, P, k, eos)
                 active = None
                 status = finite_eos[:, :B].reshape(-1).tolist()  # the host read of the step
             if step_attn is not None and attn is None:
@@ -438,7 +433,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                 break
             # the first B candidates of each remaining sentence that are not a finite EOS (fairseq's active_hypos)
             if active is None:
-                active = (finite_eos.long() * k + torch.arange(k, device=dev)).topk(B, dim=1, largest=False).indices
+                active = step_rules._active_hypotheses(finite_eos, B)
             keep = torch.tensor(keep_sents, device=dev) if len(keep_sents) < n else None
             if keep is not None:
                 active, cand_sc = active.index_select(0, keep), cand_sc.index_select(0, keep)

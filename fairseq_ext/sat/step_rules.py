@@ -101,20 +101,33 @@ def _greedy_step(logits: Tensor, bias: Tensor, eos: int, tokens: Tensor, cum: Te
     return lprobs, ends
 
 
-def _beam_candidates(logits: Tensor, bias: Tensor, scores: Tensor, n: int, P: int, k: int, B: int,
-                     eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fairseq's beam step (``search.BeamSearch.step``) on logits [n * P, 1, V] of n sentences with P hypotheses
-    each scoring ``scores`` [n * P]: the top k (2B) of hypothesis score plus word log-probability over P x V
-    per sentence, their parents and words, which are EOS with a finite score, the first B that are not (fairseq's
-    active hypotheses) and one status row to read on the host: the EOS flags of the top B [n * B] and whether a
-    top-k score is NaN [1]. Returns (lprobs, cand_sc, parents, words, finite_eos, active, status)."""
-    lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
+def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int,
+                    eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """fairseq's ``search.BeamSearch.step`` on log-probabilities [n * P, 1, V] of n sentences with P hypotheses each
+    scoring ``scores`` [n * P]: the top k (2B) of hypothesis score plus word log-probability over P x V per
+    sentence, their parents and words, and which are EOS with a finite score. Returns (cand_sc, parents, words,
+    finite_eos), each [n, k]."""
     V = lprobs.size(-1)
     cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
     parents = torch.div(cand_i, V, rounding_mode="floor")
     words = cand_i - parents * V
-    finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)
-    active = (finite_eos.long() * k + torch.arange(k, device=words.device)).topk(B, dim=1, largest=False).indices
+    return cand_sc, parents, words, words.eq(eos) & cand_sc.ne(-math.inf)
+
+
+def _active_hypotheses(finite_eos: Tensor, B: int) -> Tensor:
+    """The first B candidates of each sentence that are not a finite EOS (fairseq's active_hypos) [n, B]."""
+    k = finite_eos.size(1)
+    return (finite_eos.long() * k + torch.arange(k, device=finite_eos.device)).topk(B, dim=1, largest=False).indices
+
+
+def _beam_candidates(logits: Tensor, bias: Tensor, scores: Tensor, n: int, P: int, k: int, B: int,
+                     eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fairseq's beam step on logits [n * P, 1, V]: the rules, :func:`_top_candidates`,
+    :func:`_active_hypotheses` and one status row to read on the host: the EOS flags of the top B [n * B] and
+    whether a top-k score is NaN [1]. Returns (lprobs, cand_sc, parents, words, finite_eos, active, status)."""
+    lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
+    cand_sc, parents, words, finite_eos = _top_candidates(lprobs, scores, n, P, k, eos)
+    active = _active_hypotheses(finite_eos, B)
     status = torch.cat([finite_eos[:, :B].reshape(-1).long(), cand_sc.isnan().any().long().view(1)])
     return lprobs, cand_sc, parents, words, finite_eos, active, status
 
