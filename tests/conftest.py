@@ -54,6 +54,17 @@ def acts_bin(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def acts_en_de_bin(tmp_path_factory):
+    """The Acts test set English -> German, encoded with the En->De release's BPE, binarised with its dictionary."""
+    release = os.path.join(ROOT, "releases", "bible-en-de")
+    if not os.path.isfile(os.path.join(release, "bert_jam.pt")):
+        pytest.skip("no releases/bible-en-de/bert_jam.pt")
+    from benchmarks.speed.speculative import acts_test_bin
+
+    return acts_test_bin(str(tmp_path_factory.mktemp("acts_en_de")), release=release, src="en", tgt="de")
+
+
+@pytest.fixture(scope="session")
 def release_data(tmp_path_factory):
     """The De->En release's joined dictionary as a data directory's two dictionaries (for the hub)."""
     import shutil
@@ -69,7 +80,7 @@ def release_data(tmp_path_factory):
 # minutes of unit tests and in-process checks.
 TRAINING_FIXTURES = {
     "tiny_transformer_dir", "tiny_run", "run", "prepared", "genuine", "evil_transformer", "smoke", "server",
-    "data", "data_dir", "trained", "runs", "wheel", "interactive_runs", "acts_bin",
+    "data", "data_dir", "trained", "runs", "wheel", "interactive_runs", "acts_bin", "acts_en_de_bin",
 }
 
 

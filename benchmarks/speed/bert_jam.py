@@ -1,12 +1,16 @@
 """Training cost of BERT-JAM against a plain transformer of the same size, per optimisation phase.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.speed.bert_jam [--steps 8] [--batch 48] [--dim 256]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.speed.bert_jam --generation [--batch 48]
 
 In one process, on the same real En->De batches (bundled corpus, English side read by the offline MiniLM), it
 times one training step (forward, backward, Adam step) of fairseq's ``transformer`` and of ``bert_jam`` in
 phases 1, 2 and 3 with the same encoder/decoder sizes, interleaving the contenders step by step, and prints
 parameter counts and the ratios of the median step times (noise on a shared machine affects all alike).
-Also times greedy generation (``SequenceGenerator``, beam 1) of the transformer and of bert_jam.
+Also times greedy generation (``SequenceGenerator``, beam 1) of the transformer and of bert_jam, and
+(``--generation`` alone) bert_jam phase 2 decoded by fairseq's ``SequenceGenerator`` against the package's
+default generator on the static decoder step (``fairseq_ext/bert_jam/static_step.py``), greedy and beam, batch 1
+and ``--batch``, interleaved, with the share of identical outputs.
 
 Then the speed paths of bert_jam, each against the same model with the path switched off, interleaved step by
 step in the same run (same batches, same drop-net draws):
@@ -65,6 +69,8 @@ def parse_args():
     ap.add_argument("--beam", type=int, default=4)
     ap.add_argument("--cache-only", action="store_true",
                     help="only the --bert-feature-cache comparison (phases 1-2, cached vs live)")
+    ap.add_argument("--generation", action="store_true",
+                    help="only decoding: fairseq's generator against the static decoder step (bert_jam phase 2)")
     return ap.parse_args()
 
 
@@ -110,7 +116,7 @@ def build_models(a, src_dict, tgt_dict):
 
     targs = args_for("transformer", "translation")
     models = {"transformer": TranslationTask(targs, src_dict, tgt_dict).build_model(targs)}
-    for phase in ((1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
+    for phase in ((2,) if a.generation else (1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
         extra = ["--bert-dropnet", "0.5"] if phase == "2 dropnet" else []
         bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase",
                                                           str(phase)[0], *extra])
@@ -256,11 +262,43 @@ def time_generation(a, models, batch, tgt_dict):
           f"beam {off * 1000:.0f} ms: x{off / on:.3f} faster")
 
 
+def time_static_step(a, model, batch, tgt_dict, sentences=16, repeat=3):
+    """bert_jam phase 2 (random weights: every output runs to the length bound) decoded by fairseq's
+    SequenceGenerator and by the default generator (the static step), ms per sentence, fastest of ``repeat``
+    interleaved passes; batch 1 on the first ``sentences`` sentences, then the whole batch."""
+    from fairseq_ext.sat.generator import SATSequenceGenerator
+
+    model.eval()
+    ni = {k: v for k, v in batch["net_input"].items() if k != "prev_output_tokens"}
+    ones = [{k: v[i: i + 1] for k, v in ni.items()} for i in range(sentences)]
+    for beam in (1, a.beam):
+        gens = {"fairseq": SequenceGenerator([model], tgt_dict, beam_size=beam, max_len_b=20),
+                "static step": SATSequenceGenerator([model], tgt_dict, beam_size=beam, max_len_b=20)}
+        for label, inputs in ((f"batch 1 ({sentences} sentences)", ones), (f"batch {a.batch}", [ni])):
+            n = sum(x["src_tokens"].size(0) for x in inputs)
+            best, outs = {g: float("inf") for g in gens}, {}
+            for _ in range(repeat):
+                for name, gen in gens.items():
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        outs[name] = [h[0]["tokens"].tolist() for x in inputs
+                                      for h in gen.generate([model], {"net_input": x})]
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            same = sum(x == y for x, y in zip(outs["fairseq"], outs["static step"]))
+            assert gens["static step"].model.step_name == "static"
+            print(f"bert_jam phase 2, beam {beam}, {label}: fairseq {best['fairseq'] / n * 1000:.2f} ms/sentence, "
+                  f"static step {best['static step'] / n * 1000:.2f} ms/sentence: "
+                  f"x{best['fairseq'] / best['static step']:.2f} faster; identical outputs {same}/{n}")
+
+
 def main():
     a = parse_args()
     torch.manual_seed(0)
     batches, src_dict, tgt_dict = make_batches(a)
     models = build_models(a, src_dict, tgt_dict)
+    if a.generation:
+        time_static_step(a, models["bert_jam phase 2"], batches[0], tgt_dict)
+        return
     cache_dir = tempfile.mkdtemp(prefix="bench_bert_cache_")
     caches = build_caches(models, batches, cache_dir)
     times = time_training(a, models, caches, batches, tgt_dict)

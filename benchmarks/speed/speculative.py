@@ -44,9 +44,10 @@ CORPUS = os.path.join(ROOT, "data", "bible-de-en")
 GEN_OPTS = dict(max_len_a=1.2, max_len_b=10)
 
 
-def acts_test_bin(workdir, release=RELEASE, corpus=CORPUS):
+def acts_test_bin(workdir, release=RELEASE, corpus=CORPUS, src="de", tgt="en"):
     """The test split of the bundled Bible corpus encoded as tools/prepare_bundled_corpus.py encodes it (with the
-    release's spm.model) and binarised with the release's dict.txt; returns the data directory (made once)."""
+    release's spm.model) and binarised with the release's dict.txt, ``src`` -> ``tgt``; returns the data directory
+    (made once)."""
     out = os.path.join(workdir, "acts-bin")
     if os.path.exists(os.path.join(out, ".done")):
         return out
@@ -60,7 +61,7 @@ def acts_test_bin(workdir, release=RELEASE, corpus=CORPUS):
             lines = [line.rstrip("\n") for line in f.readlines()]
         with open(os.path.join(text, f"test.spm.{lang}"), "w", encoding="utf-8") as g:
             g.writelines(" ".join(pieces) + "\n" for pieces in sp.encode(lines, out_type=str))
-    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", "de", "--target-lang", "en",
+    subprocess.run([sys.executable, "-m", "fairseq_cli.preprocess", "--source-lang", src, "--target-lang", tgt,
                     "--testpref", os.path.join(text, "test.spm"), "--destdir", out, "--srcdict",
                     os.path.join(release, "dict.txt"), "--tgtdict", os.path.join(release, "dict.txt"),
                     "--workers", "1"], check=True, capture_output=True, cwd=ROOT)

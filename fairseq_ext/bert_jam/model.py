@@ -11,7 +11,8 @@ Read beside Section 2 of the paper:
 * :class:`JointMultiheadAttention` (Section 2.2): queries from the primary sequence R, keys/values of R and of
   the secondary sequence S projected to d_model and concatenated;
 * encoder layer (Eq. 9): joint attention over (E^i, B^{E,i}), then FFN; decoder layer (Eq. 10): the mean of
-  joint attention over (D^i, B^{D,i}) and over (D^i, E^L), then FFN; residual + layer norm around each;
+  joint attention over (D^i, B^{D,i}) and over (D^i, E^L), then FFN; residual + layer norm around each; decoded
+  on the static decoder step by default (:mod:`fairseq_ext.bert_jam.static_step`);
 * ``--bert-jam-phase {1,2,3}`` (Section 2.4): 1 = BERT and GLUs frozen, 2 = GLUs trainable, 3 = BERT fine-tuned
   (its pooler is never built). Every phase has the same parameter names, so a phase starts from the previous
   phase's checkpoint (``--restore-file ... --reset-optimizer``, which with ``--task translation_bert`` keeps the
@@ -37,27 +38,14 @@ from fairseq import utils
 from fairseq.distributed import fsdp_wrap
 from fairseq.incremental_decoding_utils import with_incremental_state
 from fairseq.models import register_model, register_model_architecture
-from fairseq.models.transformer import (
-    TransformerConfig,
-    TransformerDecoderBase,
-    TransformerEncoderBase,
-    TransformerModel,
-    base_architecture as transformer_base_architecture,
-)
+from fairseq.models.transformer import (TransformerConfig, TransformerDecoderBase, TransformerEncoderBase,
+                                       TransformerModel, base_architecture as transformer_base_architecture)
 from fairseq.modules import FairseqDropout, LayerNorm
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
 from torch import Tensor
 
-from fairseq_ext.bert_jam.bert import (
-    BertInputBuilder,
-    bert_content_sha256,
-    build_bert,
-    check_input_settings,
-    check_tokenizer_fits,
-    input_settings,
-    leave_out_frozen_bert,
-    refill_frozen_bert,
-)
+from fairseq_ext.bert_jam.bert import (BertInputBuilder, bert_content_sha256, build_bert, check_input_settings,
+                                      check_tokenizer_fits, input_settings, leave_out_frozen_bert, refill_frozen_bert)
 from fairseq_ext.common.building import building_from_checkpoint
 from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.common.decoder_features import decoder_output, embed_decoder_input, newest_positions
@@ -498,6 +486,13 @@ class BertJamDecoder(TransformerDecoderBase):
     def build_decoder_layer(self, cfg, no_encoder_attn=False):
         return wrap_layer(BertJamDecoderLayer(cfg, *self._bert_dims, self.args.bert_composition,
                                               self.args.bert_dropnet), cfg)
+
+    @staticmethod
+    def static_step_graph():
+        """The graph of this decoder's step on the static decoder step (fairseq_ext/bert_jam/static_step.py)."""
+        from fairseq_ext.bert_jam.static_step import JointStepGraph
+
+        return JointStepGraph
 
     def extract_features_scriptable(self, prev_output_tokens, encoder_out, incremental_state=None,
                                     full_context_alignment: bool = False, alignment_layer: Optional[int] = None,

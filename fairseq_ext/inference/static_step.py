@@ -3,19 +3,22 @@ rows) with no Python per operation, over key/value caches preallocated for the w
 (CTranslate2's design, on PyTorch's kernels).
 
 What one call computes, for a decoder :func:`~fairseq_ext.inference.lean_decoder.lean_refusal` accepts (fairseq's
-``transformer`` decoder, the SAT decoder) in float32 on the CPU: the embedded tokens ``[N, K]`` at positions
-``idx`` (K consecutive positions, the first a multiple of K), every layer's self-attention over the cached keys
-and values with the new ones written at ``idx`` in place (keys at or after ``idx[-1] + 1`` masked: the causal mask
-for K = 1, the SAT's relaxed causal mask for a group), encoder-decoder attention over the source keys and values
-projected once per search (the last layer's weights averaged over heads: fairseq's alignment attention), the
-feed-forward block, the final layer norm and the output projection; it returns the logits ``[N, K, V]`` and that
-attention ``[N, K, S]``.
+``transformer`` decoder, the SAT decoder, BERT-JAM's ``--bert-jam-decoder standard``) in float32 on the CPU: the
+embedded tokens ``[N, K]`` at positions ``idx`` (K consecutive positions, the first a multiple of K), every layer's
+self-attention over the cached keys and values with the new ones written at ``idx`` in place (keys at or after
+``idx[-1] + 1`` masked: the causal mask for K = 1, the SAT's relaxed causal mask for a group), encoder-decoder
+attention over the source keys and values projected once per search (the last layer's weights averaged over heads:
+fairseq's alignment attention), the feed-forward block, the final layer norm and the output projection; it returns
+the logits ``[N, K, V]`` and that attention ``[N, K, S]``.
 
 A decoder whose layers read memories of their own declares, in the class that defines its
 ``extract_features_scriptable``, ``static_step_memories(encoder_out)`` -> (the memory [S, N, C] each layer's
 encoder attention reads, each layer's second memory or None, the source padding): ``msc_transformer`` (block n and
 its context C^n). A layer with a second memory has a ``context_attn`` over it, whose output joins the encoder
-attention's through ``layer.gate(a_h, a_c)`` (summed without a gate).
+attention's through ``layer.gate(a_h, a_c)`` (summed without a gate). A decoder whose layers compute another step
+names, in the same class, ``static_step_graph()``: a :class:`StepGraph` subclass that says which caches, memories
+and projections it needs and computes the call (``bert_jam``'s Eq. 10 decoder: ``fairseq_ext/bert_jam/
+static_step.py``).
 
 Shapes are free: the graph reads N, K, S and the cache length from its inputs, so one graph per decoder serves
 every batch size, beam, source length and length bucket (the cache is handed to it in buckets of
@@ -58,19 +61,24 @@ LENGTH_BUCKET = 32  # cache positions handed to a call: the positions so far rou
 
 def static_refusal(model) -> Optional[str]:
     """Why the static step does not compute the step of ``model`` (or of a decoder) exactly (one line), or None."""
-    from fairseq.models import BaseFairseqModel, FairseqDecoder
+    from fairseq.models import BaseFairseqModel
     from fairseq.models.transformer import TransformerModelBase
-    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
     decoder = getattr(model, "decoder", model)
     fairseqs = (BaseFairseqModel.get_normalized_probs, TransformerModelBase.get_normalized_probs)
     if decoder is not model and (type(model).get_normalized_probs not in fairseqs or type(
             model).get_normalized_probs_scriptable is not BaseFairseqModel.get_normalized_probs_scriptable):
         return "static step: the model has its own get_normalized_probs (the step computes fairseq's log-softmax)"
+    return graph_class(decoder).refusal(decoder)
 
-    why = _declared_refusal(decoder) if declares_memories(decoder) else lean_refusal(decoder)
-    if why:
-        return why.replace("lean_decoder", "static step").replace("without lean-decoder", "with its own step")
+
+def decoder_refusal(decoder, projections) -> Optional[str]:
+    """What every graph checks beyond its layers: fairseq's embeddings (learned or sinusoidal positions), no
+    quant-noise or dimension projections, fairseq's log-softmax, and ``projections`` float ``nn.Linear`` or
+    PyTorch's int8 dynamic ``Linear``."""
+    from fairseq.models import FairseqDecoder
+    from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
     ep = decoder.embed_positions
     if ep is not None and not isinstance(ep, (LearnedPositionalEmbedding, SinusoidalPositionalEmbedding)):
         return f"static step: positional embeddings {type(ep).__name__} are neither fairseq's learned nor sinusoidal"
@@ -80,12 +88,21 @@ def static_refusal(model) -> Optional[str]:
     for name in ("quant_noise", "project_in_dim", "project_out_dim"):
         if getattr(decoder, name, None) is not None:
             return f"static step: the decoder has {name}, which the static step does not compute"
-    for m in _projections(decoder):
+    for m in projections:
         if type(m) is not torch.nn.Linear and not (isinstance(m, DynamicQuantizedLinear) and m.weight().dtype ==
                                                    torch.qint8):
             return (f"static step: a projection is a {type(m).__name__}, neither a float nn.Linear nor PyTorch's "
                     f"int8 dynamic Linear")
     return None
+
+
+def graph_class(decoder):
+    """The :class:`StepGraph` class that computes ``decoder``'s step: the one the class defining its
+    ``extract_features_scriptable`` names in ``static_step_graph()`` (module docstring: a decoder whose layers
+    compute another step), else :class:`StepGraph`."""
+    owner = next((c for c in type(decoder).__mro__ if "extract_features_scriptable" in vars(c)), None)
+    declared = vars(owner).get("static_step_graph") if owner is not None else None
+    return declared.__func__() if isinstance(declared, staticmethod) else StepGraph
 
 
 def declares_memories(decoder) -> bool:
@@ -119,31 +136,13 @@ def _declared_refusal(decoder) -> Optional[str]:
     return None
 
 
-def _projections(decoder):
-    """The decoder's projections the step computes (the encoder attention's keys and values are projected once per
-    search by :class:`StaticState`, with the modules themselves)."""
-    out = [decoder.output_projection]
-    for layer in decoder.layers:
-        sa, ca = layer.self_attn, layer.encoder_attn
-        out += [sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, layer.fc1, layer.fc2]
-        ctx = getattr(layer, "context_attn", None)
-        if ctx is not None:
-            out += [ctx.q_proj, ctx.out_proj]
-    return out
-
-
 def _weights_key(decoder) -> tuple:
-    """What the graph copied from ``decoder``: every projection module (float weights by identity, data and
-    version; int8 ones by their packed weight, which ``set_weight_bias`` and ``load_state_dict`` replace), the
-    embeddings and the layer norms. A change (a weight updated in place, a module replaced, int8 applied after a
-    float graph was made) makes the graph again."""
-    modules = _projections(decoder) + [decoder.embed_tokens, decoder.embed_positions, decoder.layernorm_embedding,
-                                       decoder.layer_norm]
-    for layer in decoder.layers:
-        modules += [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
-        modules += list(getattr(layer, "gate", None).modules()) if getattr(layer, "gate", None) is not None else []
+    """What the graph copied from ``decoder`` (:meth:`StepGraph.weight_modules`: float weights by identity, data
+    and version; int8 ones by their packed weight, which ``set_weight_bias`` and ``load_state_dict`` replace). A
+    change (a weight updated in place, a module replaced, int8 applied after a float graph was made) makes the
+    graph again."""
     key = []
-    for m in modules:
+    for m in graph_class(decoder).weight_modules(decoder):
         if m is None:
             key.append(None)
         elif isinstance(m, DynamicQuantizedLinear):
@@ -212,26 +211,76 @@ def _norm(ln):
 class StepGraph(torch.nn.Module):
     """The decoder's incremental call as plain tensor code (module docstring), the module that is traced. Holds
     the weights in the layout of their products (float) or PyTorch's int8 modules (after ``int8-decoder`` /
-    ``int8-output``); the decoder is not changed."""
+    ``int8-output``); the decoder is not changed.
+
+    Its class methods say what :class:`StaticState` and the weights key need of a decoder; a decoder with another
+    layer computation names a subclass that overrides them (:func:`graph_class`)."""
+
+    @classmethod
+    def refusal(cls, decoder) -> Optional[str]:
+        """Why this graph does not compute ``decoder``'s step exactly (one line), or None."""
+        why = _declared_refusal(decoder) if declares_memories(decoder) else lean_refusal(decoder)
+        if why:
+            return why.replace("lean_decoder", "static step").replace("without lean-decoder", "with its own step")
+        return decoder_refusal(decoder, cls.projections(decoder))
+
+    @classmethod
+    def projections(cls, decoder) -> list:
+        """The projections the step computes (the memories' keys and values are projected once per search by
+        :class:`StaticState`, with the modules of :meth:`memory_projections`)."""
+        out = [decoder.output_projection]
+        for layer in decoder.layers:
+            sa, ca = layer.self_attn, layer.encoder_attn
+            out += [sa.q_proj, sa.k_proj, sa.v_proj, sa.out_proj, ca.q_proj, ca.out_proj, layer.fc1, layer.fc2]
+            ctx = getattr(layer, "context_attn", None)
+            if ctx is not None:
+                out += [ctx.q_proj, ctx.out_proj]
+        return out
+
+    @classmethod
+    def weight_modules(cls, decoder) -> list:
+        """Every module whose weights the graph copies: projections, embeddings, layer norms, gates."""
+        modules = cls.projections(decoder) + [decoder.embed_tokens, decoder.embed_positions,
+                                              decoder.layernorm_embedding, decoder.layer_norm]
+        for layer in decoder.layers:
+            modules += [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
+            gate = getattr(layer, "gate", None)
+            modules += list(gate.modules()) if gate is not None else []
+        return modules
+
+    @classmethod
+    def heads(cls, decoder) -> int:
+        return decoder.layers[0].self_attn.num_heads
+
+    @classmethod
+    def cache_count(cls, decoder) -> int:
+        """Self-attention caches of a call: one per layer."""
+        return len(decoder.layers)
+
+    @classmethod
+    def memories(cls, decoder, encoder_out):
+        """(the memory [S, N, C] each layer's encoder attention reads, each layer's second memory [S2, N, C2] or
+        None, the source padding [N, S] and the second memories' padding [N, S2], or None): the encoder output for
+        every layer, or what the decoder's ``static_step_memories`` says (:func:`declares_memories`; its second
+        memories have the source's padding)."""
+        if declares_memories(decoder):
+            memories, contexts, pad = decoder.static_step_memories(encoder_out)
+            return memories, contexts, pad, pad
+        pads = encoder_out.get("encoder_padding_mask") or []
+        enc = encoder_out["encoder_out"][0]
+        pad = pads[0] if len(pads) > 0 else None
+        return [enc] * len(decoder.layers), [None] * len(decoder.layers), pad, None
+
+    @classmethod
+    def memory_projections(cls, decoder):
+        """Per layer, the (key, value) projections of its memory and of its second memory (or None)."""
+        ctx = [getattr(layer, "context_attn", None) for layer in decoder.layers]
+        return ([(layer.encoder_attn.k_proj, layer.encoder_attn.v_proj) for layer in decoder.layers],
+                [None if c is None else (c.k_proj, c.v_proj) for c in ctx])
 
     def __init__(self, decoder):
         super().__init__()
-        from fairseq.modules import SinusoidalPositionalEmbedding
-
-        C = decoder.embed_tokens.weight.size(1)
-        self.embed = decoder.embed_tokens.weight.detach()
-        self.embed_scale = float(decoder.embed_scale)
-        ep = decoder.embed_positions
-        if ep is None:
-            self.positions = None
-        else:  # the table from position 0 (fairseq's padding_idx + 1)
-            if isinstance(ep, SinusoidalPositionalEmbedding):
-                table = ep.weights if ep.weights.size(0) >= ep.padding_idx + 1 + 1024 else \
-                    ep.get_embedding(ep.padding_idx + 1 + 1024, C, ep.padding_idx)
-            else:
-                table = ep.weight
-            self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
-        self.emb_ln = _norm(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
+        self._embeddings(decoder)
         proj = _Projections()
         self.gates = torch.nn.ModuleList()  # registered: the trace keeps their weights
         self.layers = []
@@ -248,31 +297,57 @@ class StepGraph(torch.nn.Module):
                 qkv=proj(sa.q_proj, sa.k_proj, sa.v_proj), so=proj(sa.out_proj), ln1=_norm(layer.self_attn_layer_norm),
                 cq=proj(ca.q_proj), co=proj(ca.out_proj), ln2=_norm(layer.encoder_attn_layer_norm),
                 fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=_norm(layer.final_layer_norm)))
-        self.final_ln = _norm(decoder.layer_norm) if decoder.layer_norm is not None else None
         self.int8 = proj.modules  # registered: the trace keeps their packed weights
-        self.C = C
 
     @staticmethod
     def _ln(x: Tensor, p) -> Tensor:
         return F.layer_norm(x, (x.size(-1),), p[0], p[1], p[2])
 
+    def _embeddings(self, decoder) -> None:
+        """The token and positional embeddings, the embedding layer norm and the final one, and the width C."""
+        from fairseq.modules import SinusoidalPositionalEmbedding
+
+        C = decoder.embed_tokens.weight.size(1)
+        self.embed = decoder.embed_tokens.weight.detach()
+        self.embed_scale = float(decoder.embed_scale)
+        ep = decoder.embed_positions
+        if ep is None:
+            self.positions = None
+        else:  # the table from position 0 (fairseq's padding_idx + 1)
+            if isinstance(ep, SinusoidalPositionalEmbedding):
+                table = ep.weights if ep.weights.size(0) >= ep.padding_idx + 1 + 1024 else \
+                    ep.get_embedding(ep.padding_idx + 1 + 1024, C, ep.padding_idx)
+            else:
+                table = ep.weight
+            self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
+        self.emb_ln = _norm(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
+        self.final_ln = _norm(decoder.layer_norm) if decoder.layer_norm is not None else None
+        self.C = C
+
+    def _embed(self, tokens: Tensor, idx: Tensor) -> Tensor:
+        """The embedded tokens [N, K] at positions ``idx``: [N * K, C]."""
+        N, K = tokens.shape
+        x = self.embed_scale * F.embedding(tokens, self.embed)  # [N, K, C]
+        if self.positions is not None:
+            x = x + self.positions.index_select(0, idx)
+        if self.emb_ln is not None:
+            x = self._ln(x, self.emb_ln)
+        return x.reshape(N * K, self.C)
+
+
     def forward(self, tokens: Tensor, idx: Tensor, k_cache: Tensor, v_cache: Tensor, src_k: Tensor,
-                src_v: Tensor, src_bias: Tensor, ctx_k: Tensor, ctx_v: Tensor):
+                src_v: Tensor, src_bias: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_bias: Tensor):
         """tokens [N, K]; idx [K] their positions; k_cache / v_cache [L, N, H, T, d] (written at idx); src_k /
         src_v [L, B, H, S, d] of the B sources, row r reading source r // (N / B); src_bias [B, 1, 1, S] (0, or
-        -inf at padding); ctx_k / ctx_v like src_k / src_v, of the layers' second memories (empty without).
+        -inf at padding); ctx_k / ctx_v / ctx_bias like src_k / src_v / src_bias, of the layers' second memories
+        (empty without).
         Returns the last layer's output after the final layer norm [N * K, C] (the output
         projection runs outside: :class:`OutputProjection`) and its head-averaged encoder attention [N, K, S]."""
         N, K = tokens.shape
         B = src_k.size(1)
         P = N // B  # rows per source: row r reads source r // P
         C = self.C
-        x = self.embed_scale * F.embedding(tokens, self.embed)  # [N, K, C]
-        if self.positions is not None:
-            x = x + self.positions.index_select(0, idx)
-        if self.emb_ln is not None:
-            x = self._ln(x, self.emb_ln)
-        x = x.reshape(N * K, C)
+        x = self._embed(tokens, idx)
         T = k_cache.size(3)
         # keys after the group's last position are hidden (K = 1: causal; a SAT group: the relaxed mask)
         self_bias = torch.where(torch.arange(T, device=tokens.device) > idx[-1], float("-inf"), 0.0).view(1, T)
@@ -305,7 +380,7 @@ class StepGraph(torch.nn.Module):
             if p["ctx"] is not None:  # a second memory, fused with the gate or summed (msc_transformer's C^n)
                 c = p["ctx"]
                 qc = _linear(h, c["q"]).reshape(B, P * K, H, d).transpose(1, 2)
-                ac = F.scaled_dot_product_attention(qc, ctx_k[i], ctx_v[i], attn_mask=src_bias, scale=c["scale"])
+                ac = F.scaled_dot_product_attention(qc, ctx_k[i], ctx_v[i], attn_mask=ctx_bias, scale=c["scale"])
                 ac = _linear(ac.transpose(1, 2).reshape(N * K, C), c["o"])
                 a = a + ac if p["gate"] is None else p["gate"](a, ac)
             x = x + a
@@ -331,7 +406,7 @@ def step_graph(decoder) -> "Step":
     cached = _GRAPHS.get(decoder)
     if cached is not None and cached[0] == key:
         return cached[1]
-    module = StepGraph(decoder).eval()
+    module = graph_class(decoder)(decoder).eval()
     step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
     _GRAPHS[decoder] = (key, step)
     return step
@@ -377,14 +452,17 @@ class OutputProjection:
 def capture(module: StepGraph, decoder):
     """``module`` traced by ``torch.jit.trace`` (module docstring: why TorchScript), or ``module`` itself, with one
     log line, where this PyTorch cannot trace it."""
-    L, H = len(decoder.layers), decoder.layers[0].self_attn.num_heads
+    cls = type(module)
+    L, H, caches = len(decoder.layers), cls.heads(decoder), cls.cache_count(decoder)
     d = module.C // H
     K = int(getattr(decoder, "group_size", 1))
     N, S, T = 2, 5, LENGTH_BUCKET
-    ctx = (L, N, H, S, d) if any(p["ctx"] is not None for p in module.layers) else (0,)
+    seconds = any(p is not None for p in cls.memory_projections(decoder)[1])
+    ctx, ctx_bias = ((L, N, H, S + 1, d), (N, 1, 1, S + 1)) if seconds else ((0,), (0,))
     example = (torch.full((N, K), decoder.dictionary.eos(), dtype=torch.long), torch.arange(K),
-               torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, T, d), torch.zeros(L, N, H, S, d),
-               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx))
+               torch.zeros(caches, N, H, T, d), torch.zeros(caches, N, H, T, d), torch.zeros(L, N, H, S, d),
+               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx),
+               torch.zeros(ctx_bias))
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PyTorch 2.13 announces TorchScript's end (module docstring)
@@ -393,17 +471,6 @@ def capture(module: StepGraph, decoder):
         logger.info(f"static step: torch.jit.trace is not available ({type(e).__name__}: {e}); the step runs "
                     f"eagerly (the same numbers, slower)")
         return module
-
-
-def memories_of(decoder, encoder_out):
-    """(the memory [S, N, C] each layer's encoder attention reads, each layer's second memory or None, the source
-    padding [N, S] or None): the encoder output for every layer, or what the decoder's ``static_step_memories``
-    says (:func:`declares_memories`)."""
-    if declares_memories(decoder):
-        return decoder.static_step_memories(encoder_out)
-    pads = encoder_out.get("encoder_padding_mask") or []
-    enc = encoder_out["encoder_out"][0]
-    return [enc] * len(decoder.layers), [None] * len(decoder.layers), pads[0] if len(pads) > 0 else None
 
 
 class StaticState:
@@ -415,22 +482,22 @@ class StaticState:
     the buffer the previous reorder freed (CTranslate2's in-place reorder: no allocation per step)."""
 
     def __init__(self, decoder, encoder_out, rows: int):
-        self.L = len(decoder.layers)
-        self.H = decoder.layers[0].self_attn.num_heads
+        graph = graph_class(decoder)
+        self.L = graph.cache_count(decoder)
+        self.H = graph.heads(decoder)
         self.d = decoder.embed_tokens.weight.size(1) // self.H
-        memories, contexts, pad = memories_of(decoder, encoder_out)
+        memories, contexts, pad, ctx_pad = graph.memories(decoder, encoder_out)
+        projections, ctx_projections = graph.memory_projections(decoder)
         enc = memories[0]  # [S, N0, C]
-        S, N0 = enc.shape[:2]
+        N0 = enc.size(1)
         with torch.no_grad():
-            self.src_k, self.src_v = self._project([layer.encoder_attn for layer in decoder.layers], memories)
-            self.ctx_k = self.ctx_v = enc.new_zeros(0)
-            if any(c is not None for c in contexts):
-                self.ctx_k, self.ctx_v = self._project([getattr(layer, "context_attn", None)
-                                                        for layer in decoder.layers], contexts)
-            bias = enc.new_zeros(N0, 1, 1, S)
-            if pad is not None:
-                bias.masked_fill_(pad.view(N0, 1, 1, S), float("-inf"))
-            self.src_bias = bias
+            self.src_k, self.src_v = self._project(projections, memories, enc)
+            self.src_bias = self._bias(pad, enc)
+            self.ctx_k = self.ctx_v = self.ctx_bias = enc.new_zeros(0)
+            second = next((c for c in contexts if c is not None), None)
+            if second is not None:
+                self.ctx_k, self.ctx_v = self._project(ctx_projections, contexts, second)
+                self.ctx_bias = self._bias(ctx_pad, second)
         if rows % N0:
             raise ValueError(f"static step: {rows} rows for {N0} sources (a whole number of rows per source)")
         self.rows_per_source = rows // N0
@@ -439,18 +506,28 @@ class StaticState:
         self.length = 0
         self._zeros(rows, LENGTH_BUCKET, enc)
 
-    def _project(self, attentions, memories):
-        """The keys and values [L, N0, H, S, d] of each layer's memory [S, N0, C] through its attention's
-        projections (zeros for a layer without that attention: never read)."""
+    @staticmethod
+    def _bias(pad: Optional[Tensor], memory: Tensor) -> Tensor:
+        """A memory's padding [N0, S] (or None) as an additive bias [N0, 1, 1, S]: 0, or -inf at padding."""
+        S, N0 = memory.shape[:2]
+        bias = memory.new_zeros(N0, 1, 1, S)
+        if pad is not None:
+            bias.masked_fill_(pad.view(N0, 1, 1, S), float("-inf"))
+        return bias
+
+    def _project(self, projections, memories, like: Tensor):
+        """The keys and values [L, N0, H, S, d] of each layer's memory [S, N0, C] through its (key, value)
+        projections (zeros for a layer without that memory, shaped like ``like``: never read)."""
         ks, vs = [], []
-        for att, mem in zip(attentions, memories):
-            S, N0 = mem.shape[:2]
-            if att is None or mem is None:
-                ks.append(mem.new_zeros(N0, self.H, S, self.d))
+        S, N0 = like.shape[:2]
+        for proj, mem in zip(projections, memories):
+            if proj is None or mem is None:
+                ks.append(like.new_zeros(N0, self.H, S, self.d))
                 vs.append(ks[-1])
                 continue
-            ks.append(att.k_proj(mem).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
-            vs.append(att.v_proj(mem).view(S, N0, self.H, self.d).permute(1, 2, 0, 3))
+            S_, N_ = mem.shape[:2]
+            ks.append(proj[0](mem).view(S_, N_, self.H, self.d).permute(1, 2, 0, 3))
+            vs.append(proj[1](mem).view(S_, N_, self.H, self.d).permute(1, 2, 0, 3))
         return torch.stack(ks), torch.stack(vs)
 
     def _zeros(self, rows: int, capacity: int, like: Tensor) -> None:
@@ -510,6 +587,7 @@ class StaticState:
         self.src_k, self.src_v = self.src_k.index_select(1, index), self.src_v.index_select(1, index)
         if self.ctx_k.numel():
             self.ctx_k, self.ctx_v = self.ctx_k.index_select(1, index), self.ctx_v.index_select(1, index)
+            self.ctx_bias = self.ctx_bias.index_select(0, index)
         self.src_bias = self.src_bias.index_select(0, index)
 
 
@@ -522,7 +600,7 @@ def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, te
     T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
     k, v = state.window(T)
     x, attn = step.graph.forward(tokens, torch.arange(first, end), k, v, state.src_k, state.src_v, state.src_bias,
-                                 state.ctx_k, state.ctx_v)
+                                 state.ctx_k, state.ctx_v, state.ctx_bias)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:
