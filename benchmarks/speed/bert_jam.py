@@ -1,16 +1,17 @@
 """Training cost of BERT-JAM against a plain transformer of the same size, per optimisation phase.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.speed.bert_jam [--steps 8] [--batch 48] [--dim 256]
-    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.speed.bert_jam --generation [--batch 48]
+    OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.speed.bert_jam --generation --batch 64
 
 In one process, on the same real En->De batches (bundled corpus, English side read by the offline MiniLM), it
 times one training step (forward, backward, Adam step) of fairseq's ``transformer`` and of ``bert_jam`` in
 phases 1, 2 and 3 with the same encoder/decoder sizes, interleaving the contenders step by step, and prints
 parameter counts and the ratios of the median step times (noise on a shared machine affects all alike).
-Also times greedy generation (``SequenceGenerator``, beam 1) of the transformer and of bert_jam, and
-(``--generation`` alone) bert_jam phase 2 decoded by fairseq's ``SequenceGenerator`` against the package's
-default generator on the static decoder step (``fairseq_ext/bert_jam/static_step.py``), greedy and beam, batch 1
-and ``--batch``, interleaved, with the share of identical outputs.
+Also times greedy generation (``SequenceGenerator``, beam 1) of the transformer and of bert_jam. ``--generation``
+alone: the release ``releases/bible-en-de/bert_jam.pt`` on the Acts test (English -> German) decoded by fairseq's
+``SequenceGenerator`` and by the package's default generator on the static decoder step
+(``fairseq_ext/bert_jam/static_step.py``), greedy and beam, batch 1 and ``--batch``, interleaved, with the share of
+identical outputs.
 
 Then the speed paths of bert_jam, each against the same model with the path switched off, interleaved step by
 step in the same run (same batches, same drop-net draws):
@@ -70,7 +71,8 @@ def parse_args():
     ap.add_argument("--cache-only", action="store_true",
                     help="only the --bert-feature-cache comparison (phases 1-2, cached vs live)")
     ap.add_argument("--generation", action="store_true",
-                    help="only decoding: fairseq's generator against the static decoder step (bert_jam phase 2)")
+                    help="only decoding: the release bert_jam on the Acts test, fairseq's generator against the "
+                         "static decoder step (batch 1 and --batch)")
     return ap.parse_args()
 
 
@@ -116,7 +118,7 @@ def build_models(a, src_dict, tgt_dict):
 
     targs = args_for("transformer", "translation")
     models = {"transformer": TranslationTask(targs, src_dict, tgt_dict).build_model(targs)}
-    for phase in ((2,) if a.generation else (1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
+    for phase in ((1, 2) if a.cache_only else (1, 2, 3, "2 dropnet")):
         extra = ["--bert-dropnet", "0.5"] if phase == "2 dropnet" else []
         bargs = args_for("bert_jam", "translation_bert", ["--bert-model-name", minilm(), "--bert-jam-phase",
                                                           str(phase)[0], *extra])
@@ -262,43 +264,61 @@ def time_generation(a, models, batch, tgt_dict):
           f"beam {off * 1000:.0f} ms: x{off / on:.3f} faster")
 
 
-def time_static_step(a, model, batch, tgt_dict, sentences=16, repeat=3):
-    """bert_jam phase 2 (random weights: every output runs to the length bound) decoded by fairseq's
-    SequenceGenerator and by the default generator (the static step), ms per sentence, fastest of ``repeat``
-    interleaved passes; batch 1 on the first ``sentences`` sentences, then the whole batch."""
+def time_static_step(a, sentences=100, repeat=2):
+    """The release bert_jam.pt (En->De, MiniLM) on the Acts test decoded by fairseq's SequenceGenerator and by the
+    default generator (the static step), ms per sentence, fastest of ``repeat`` interleaved passes: batch 1 on the
+    first ``sentences`` verses, batch ``--batch`` on all; with the share of identical outputs."""
+    from fairseq import checkpoint_utils
+
+    from benchmarks.speed.speculative import acts_test_bin
     from fairseq_ext.sat.generator import SATSequenceGenerator
 
-    model.eval()
-    ni = {k: v for k, v in batch["net_input"].items() if k != "prev_output_tokens"}
-    ones = [{k: v[i: i + 1] for k, v in ni.items()} for i in range(sentences)]
+    release = os.path.join(ROOT, "releases", "bible-en-de")
+    workdir = tempfile.mkdtemp(prefix="bench_bert_jam_acts_")
+    data = acts_test_bin(workdir, release=release, src="en", tgt="de")
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(release, "bert_jam.pt")], arg_overrides={"data": data, "bert_model_name": minilm(),
+                                                                "source_lang": "en", "target_lang": "de"})
+    model = models[0].float().eval()
+    task.load_dataset("test")
+    ds = task.dataset("test")
+    ones = [ds.collater([ds[i]]) for i in range(sentences)]
+    batches = [ds.collater([ds[i] for i in range(j, min(j + a.batch, len(ds)))]) for j in range(0, len(ds), a.batch)]
     for beam in (1, a.beam):
-        gens = {"fairseq": SequenceGenerator([model], tgt_dict, beam_size=beam, max_len_b=20),
-                "static step": SATSequenceGenerator([model], tgt_dict, beam_size=beam, max_len_b=20)}
-        for label, inputs in ((f"batch 1 ({sentences} sentences)", ones), (f"batch {a.batch}", [ni])):
-            n = sum(x["src_tokens"].size(0) for x in inputs)
+        gens = {"fairseq": SequenceGenerator([model], task.target_dictionary, beam_size=beam, max_len_a=1.2,
+                                             max_len_b=10),
+                "static step": task.build_generator([model], argparse.Namespace(  # the default path
+                    beam=beam, nbest=1, max_len_a=1.2, max_len_b=10, min_len=1, lenpen=1.0, unkpen=0.0,
+                    temperature=1.0, no_repeat_ngram_size=0, unnormalized=False, sampling=False,
+                    print_alignment=None))}
+        for label, inputs in ((f"batch 1, {sentences} verses", ones), (f"batch {a.batch}, {len(ds)} verses", batches)):
+            n = sum(x["id"].numel() for x in inputs)
             best, outs = {g: float("inf") for g in gens}, {}
             for _ in range(repeat):
                 for name, gen in gens.items():
                     t0 = time.perf_counter()
                     with torch.no_grad():
-                        outs[name] = [h[0]["tokens"].tolist() for x in inputs
-                                      for h in gen.generate([model], {"net_input": x})]
+                        outs[name] = {int(i): h[0]["tokens"].tolist() for x in inputs
+                                      for i, h in zip(x["id"], gen.generate([model], x))}
                     best[name] = min(best[name], time.perf_counter() - t0)
-            same = sum(x == y for x, y in zip(outs["fairseq"], outs["static step"]))
-            assert gens["static step"].model.step_name == "static"
-            print(f"bert_jam phase 2, beam {beam}, {label}: fairseq {best['fairseq'] / n * 1000:.2f} ms/sentence, "
+            same = sum(outs["fairseq"][i] == outs["static step"][i] for i in outs["fairseq"])
+            ours = gens["static step"]
+            assert isinstance(ours, SATSequenceGenerator) and ours.model.step_name == "static"
+            print(f"release bert_jam, beam {beam}, {label}: fairseq {best['fairseq'] / n * 1000:.2f} ms/sentence, "
                   f"static step {best['static step'] / n * 1000:.2f} ms/sentence: "
-                  f"x{best['fairseq'] / best['static step']:.2f} faster; identical outputs {same}/{n}")
+                  f"x{best['fairseq'] / best['static step']:.2f} faster; identical outputs {same}/{n} "
+                  f"(near-ties decoded by fairseq's generator: {ours.near_tie_sentences // repeat})")
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def main():
     a = parse_args()
     torch.manual_seed(0)
+    if a.generation:
+        time_static_step(a)
+        return
     batches, src_dict, tgt_dict = make_batches(a)
     models = build_models(a, src_dict, tgt_dict)
-    if a.generation:
-        time_static_step(a, models["bert_jam phase 2"], batches[0], tgt_dict)
-        return
     cache_dir = tempfile.mkdtemp(prefix="bench_bert_cache_")
     caches = build_caches(models, batches, cache_dir)
     times = time_training(a, models, caches, batches, tgt_dict)

@@ -4,7 +4,8 @@
 every task that inherits it) by :func:`build_generator`: for a call the fast generator serves, it returns the
 generator registered with :func:`register` (the group search of ``fairseq_ext/sat/generator.py`` at K = 1 on the
 static decoder step of :mod:`fairseq_ext.inference.static_step`: fairseq's greedy and beam search, same options,
-same hypotheses up to the order of float32 sums); for any other call, fairseq's own generator, with one log line
+same hypotheses up to the order of float32 sums, and a sentence with a near-tie decoded by fairseq's generator:
+``fairseq_ext.sat.step_rules.TIE_MARGIN``); for any other call, fairseq's own generator, with one log line
 that says why. fairseq-generate, fairseq-interactive and the hub (``TransformerModel.from_pretrained(...)``) take
 it alike.
 

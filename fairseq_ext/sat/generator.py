@@ -330,18 +330,21 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             if group_attn is not None and attn is None:
                 attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
             if scripted:
-                lprobs, first_eos = rules[0](out, self._rule_bias(step, max_len), self.eos, tokens, cum, attn,
-                                             group_attn, step)
+                lprobs, status = rules[0](out, self._rule_bias(step, max_len), self.eos, tokens, cum, attn,
+                                          group_attn, step, self._tie_margin)
             else:
                 lprobs = self._constrain(out, step, max_len)
-                best_lp, best = lprobs.max(dim=-1)  # [n, K]
+                best_lp, best, near = step_rules._greedy_choice(lprobs, self._tie_margin)  # [n, K], [n]
                 # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
                 # _constrain)
                 first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
                 if best_lp.is_cpu:
                     first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
                 step_rules._greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
-            ends = first_eos.tolist()  # the only host read of the step
+                status = torch.cat([first_eos, near.long()])
+            status = status.tolist()  # the only host read of the step
+            ends = status[: len(alive)]
+            self._near_ties.update(alive[row] for row, v in enumerate(status[len(alive):]) if v)
             if max(ends) > K:  # a NaN chosen: the choice on the corrected distributions, written over
                 best_lp, best = self._nan_to_neg_inf(lprobs).max(dim=-1)
                 ends = torch.where(best.eq(self.eos), k_index, K).amin(dim=1).tolist()
@@ -390,9 +393,9 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                 logits, step_attn = self.model.decode_logits(tokens[:, : step + 1], encoder_outs[0], state,
                                                              self.temperature)
                 lprobs, cand_sc, parents, words, finite_eos, active, status = rules[1](
-                    logits, self._rule_bias(step, max_len), scores, n, P, k, B, eos)
+                    logits, self._rule_bias(step, max_len), scores, n, P, k, B, eos, self._tie_margin)
                 status = status.tolist()  # the host read of the step
-                if status[-1]:  # a NaN among the top k: the step again on the corrected distributions
+                if status[n * B]:  # a NaN among the top k: the step again on the corrected distributions
                     status = None
             else:
                 lprobs, step_attn = self.model.decode_group(tokens[:, : step + 1], encoder_outs[0], state,
@@ -402,12 +405,17 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                     lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
             if status is None:
                 k = min(2 * B, P * lprobs.size(-1) - 1)
-                cand_sc, parents, words, finite_eos = step_rules._top_candidates(lprobs, scores, n, P, k, eos)
+                cand_sc, parents, words, finite_eos, near = step_rules._top_candidates(lprobs, scores, n, P, k, B,
+                                                                                       eos, self._tie_margin)
                 if self._selected_nan(cand_sc):
                     lprobs = self._nan_to_neg_inf(lprobs)
-                    cand_sc, parents, words, finite_eos = step_rules._top_candidates(lprobs, scores, n, P, k, eos)
+                    cand_sc, parents, words, finite_eos, near = step_rules._top_candidates(
+                        lprobs, scores, n, P, k, B, eos, self._tie_margin)
                 active = None
-                status = finite_eos[:, :B].reshape(-1).tolist()  # the host read of the step
+                # the host read of the step
+                status = torch.cat([finite_eos[:, :B].reshape(-1).long(), near.new_zeros(1).long(), near.long()]
+                                   ).tolist()
+            self._near_ties.update(sents[s_] for s_, v in enumerate(status[n * B + 1:]) if v)
             if step_attn is not None and attn is None:
                 attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
             done = [False] * n
@@ -559,6 +567,7 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         self.left_pad_target = False
         self.print_alignment = print_alignment
         self._reorder_modules = None
+        self._near_ties = set()  # sentences of the call with a near-tie (_redo_near_ties)
         if print_alignment == "soft":
             self.extract_alignment = utils.extract_soft_alignment
         else:
@@ -571,8 +580,33 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         return self.model.uses_lean_step
 
     # set by --task translation's default generator (fairseq_ext/inference/default_generator.py): builds fairseq's
-    # generator for a call with prefix tokens or constraints (the hub's inference_step_args)
+    # generator for a call with prefix tokens or constraints (the hub's inference_step_args) and for the sentences
+    # with a near-tie (_redo_near_ties)
     stock_fallback = None
+    _tie_margin = 0.0
+    near_tie_sentences = 0  # sentences decoded again by fairseq's generator, over this generator's life
+
+    def _redo_near_ties(self, models, sample, out):
+        """The sentences where two candidates of a step, or two finished hypotheses, were closer in score than
+        :data:`~fairseq_ext.sat.step_rules.TIE_MARGIN` decoded again by fairseq's generator (their rows of the
+        batch, with the batch's padding), so that float32 sums ordered differently from fairseq's never pick
+        another hypothesis than fairseq's."""
+        ties = self._near_ties
+        ties.update(i for i, hs in enumerate(out) if any(float(a["score"]) - float(b["score"]) < self._tie_margin
+                                                         for a, b in zip(hs, hs[1:])))
+        if not ties:
+            return out
+        ids = sorted(ties)
+        net = sample["net_input"]
+        bsz = net["src_tokens"].size(0)
+        index = torch.tensor(ids, device=net["src_tokens"].device)
+        rows = {k: v.index_select(0, index) if isinstance(v, Tensor) and v.dim() > 0 and v.size(0) == bsz else v
+                for k, v in net.items()}
+        for i, hyps in zip(ids, self.stock_fallback().generate(models, {"net_input": rows})):
+            out[i] = hyps
+        self.near_tie_sentences += len(ids)
+        logger.debug(f"fairseq_ext: {len(ids)} sentence(s) with a near-tie decoded by fairseq's SequenceGenerator")
+        return out
 
     def generate(self, models, sample: Dict[str, Dict[str, Tensor]], **kwargs) -> List[List[Dict[str, Tensor]]]:
         if self.stock_fallback is not None and (kwargs.get("prefix_tokens") is not None
@@ -585,12 +619,17 @@ class SATSequenceGenerator(SequenceGeneratorWithAlignment, _GroupSearch):
         if kwargs.get("constraints") is not None:
             raise FairseqExtError("translation_sat does not support --constraints")
         self.model.decoder_calls = 0
+        # standing in for fairseq's generator (K = 1), a sentence with a near-tie is decoded again by it
+        self._tie_margin = step_rules.TIE_MARGIN if self.stock_fallback is not None and self.group_size == 1 else 0.0
+        self._near_ties = set()
         with torch.inference_mode():
             if self.print_alignment:  # fairseq's alignment code around our _generate
                 out = SequenceGeneratorWithAlignment.generate(self, models, sample, **kwargs)
             else:
                 out = self._generate(sample, **kwargs)
         self.decoder_calls = self.model.decoder_calls
+        if self._tie_margin:
+            out = self._redo_near_ties(models, sample, out)
         # callers update the hypotheses in place (fairseq-generate divides positional_scores by log 2), which
         # inference tensors do not allow outside inference mode: hand back ordinary copies
         return [[{k: v.clone() if isinstance(v, Tensor) else v for k, v in h.items()} for h in hs] for hs in out]

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 # them up to this many rows a step.
 SCRIPTED_MAX_ROWS = 16
 
+# Where the searches stand in for fairseq's generator (``--task translation``'s default), two candidates closer
+# than this in score are a near-tie: the step's own float32 sums differ from fairseq's by ~1e-6 (more over a long
+# hypothesis), enough to order them the other way, so the sentence is decoded again by fairseq's generator.
+TIE_MARGIN = 2e-5
+
 
 def rule_bias(base: Tensor, eos: int, step: int, K: int, max_len: int, min_len: int) -> Tensor:
     """fairseq's rules for target positions step..step+K-1 as an additive [K, V] row per position, or ``base``
@@ -59,15 +64,27 @@ def base_bias(V: int, pad: int, unk: int, unk_penalty: float, suppress, device) 
     return b
 
 
-def _greedy_pick(logits: Tensor, bias: Tensor, eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _greedy_choice(lprobs: Tensor, margin: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """The best log-probability and word of each position [N, K] (``max``), and [N] whether a row's best and
+    second best are closer than ``margin`` at a position (a near-tie: :data:`TIE_MARGIN`; never with 0)."""
+    if margin <= 0.0:
+        best_lp, best = lprobs.max(dim=-1)
+        return best_lp, best, torch.zeros(lprobs.size(0), dtype=torch.bool, device=lprobs.device)
+    top = lprobs.topk(2, dim=-1)
+    best_lp, best = top.values[..., 0], top.indices[..., 0]
+    return best_lp, best, (best_lp - top.values[..., 1] < margin).any(dim=1)
+
+
+def _greedy_pick(logits: Tensor, bias: Tensor, eos: int, margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """logits [N, K, V] -> (log-probabilities after the rules [N, K, V], the best of each position and its word
-    [N, K], the first EOS among each row's K words (K where none; K + 1 where a chosen value is NaN) [N])."""
+    [N, K], and a status [2N]: the first EOS among each row's K words (K where none; K + 1 where a chosen value is
+    NaN), then each row's near-tie flag (:func:`_greedy_choice`))."""
     lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
-    best_lp, best = lprobs.max(dim=-1)
+    best_lp, best, near = _greedy_choice(lprobs, margin)
     K = best.size(1)
     ends = torch.where(best == eos, torch.arange(K, device=best.device), K).amin(dim=1)
     ends = ends.masked_fill(best_lp.isnan().any(dim=1), K + 1)
-    return lprobs, best_lp, best, ends
+    return lprobs, best_lp, best, torch.cat([ends, near.long()])
 
 
 def _greedy_advance(tokens: Tensor, cum: Tensor, attn: Optional[Tensor], best: Tensor, best_lp: Tensor,
@@ -93,25 +110,43 @@ def _greedy_advance(tokens: Tensor, cum: Tensor, attn: Optional[Tensor], best: T
 
 
 def _greedy_step(logits: Tensor, bias: Tensor, eos: int, tokens: Tensor, cum: Tensor, attn: Optional[Tensor],
-                 group_attn: Optional[Tensor], step: int) -> Tuple[Tensor, Tensor]:
-    """:func:`_greedy_pick` then :func:`_greedy_advance`: (log-probabilities after the rules, the first EOS of each
-    row's group, K + 1 where a chosen value is NaN: the caller then writes the corrected choice over this one)."""
-    lprobs, best_lp, best, ends = _greedy_pick(logits, bias, eos)
+                 group_attn: Optional[Tensor], step: int, margin: float) -> Tuple[Tensor, Tensor]:
+    """:func:`_greedy_pick` then :func:`_greedy_advance`: (log-probabilities after the rules, the status of
+    :func:`_greedy_pick`; where a chosen value is NaN the caller writes the corrected choice over this one)."""
+    lprobs, best_lp, best, status = _greedy_pick(logits, bias, eos, margin)
     _greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
-    return lprobs, ends
+    return lprobs, status
 
 
-def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int,
-                    eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: int, eos: int,
+                    margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fairseq's ``search.BeamSearch.step`` on log-probabilities [n * P, 1, V] of n sentences with P hypotheses each
     scoring ``scores`` [n * P]: the top k (2B) of hypothesis score plus word log-probability over P x V per
-    sentence, their parents and words, and which are EOS with a finite score. Returns (cand_sc, parents, words,
-    finite_eos), each [n, k]."""
+    sentence, their parents and words, which are EOS with a finite score, and whether a sentence has a near-tie
+    (:func:`_near_ties`; never with ``margin`` 0). Returns (cand_sc, parents, words, finite_eos, near), each
+    [n, k] but near [n]."""
     V = lprobs.size(-1)
-    cand_sc, cand_i = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V).topk(k, dim=1)
+    flat = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V)
+    values, cand_i = flat.topk(k + 1 if margin > 0.0 else k, dim=1)  # the (k + 1)-th for the near-ties only
+    cand_sc, cand_i = values[:, :k].contiguous(), cand_i[:, :k].contiguous()
     parents = torch.div(cand_i, V, rounding_mode="floor")
     words = cand_i - parents * V
-    return cand_sc, parents, words, words.eq(eos) & cand_sc.ne(-math.inf)
+    finite_eos = words.eq(eos) & cand_sc.ne(-math.inf)
+    if margin <= 0.0:
+        return cand_sc, parents, words, finite_eos, torch.zeros(n, dtype=torch.bool, device=flat.device)
+    return cand_sc, parents, words, finite_eos, _near_ties(values, finite_eos, B, margin)
+
+
+def _near_ties(values: Tensor, finite_eos: Tensor, B: int, margin: float) -> Tensor:
+    """[n]: whether two neighbours of a sentence's sorted top k + 1 ``values`` whose order decides the step are
+    closer than ``margin``: any two of the first B + 1 (which EOS are finalised, and in which order) and the B-th
+    candidate that is not a finite EOS with the next one (which hypotheses go on). Others may swap freely."""
+    k = finite_eos.size(1)
+    gaps = values[:, :-1] - values[:, 1:]  # [n, k]: candidate i against i + 1
+    pos = torch.arange(k, device=values.device)
+    last_active = (torch.cumsum((~finite_eos).long(), dim=1) >= B).long().argmax(dim=1, keepdim=True)
+    decides = (pos < B).unsqueeze(0) | (pos.unsqueeze(0) == last_active)
+    return ((gaps < margin) & decides).any(dim=1)
 
 
 def _active_hypotheses(finite_eos: Tensor, B: int) -> Tensor:
@@ -121,14 +156,15 @@ def _active_hypotheses(finite_eos: Tensor, B: int) -> Tensor:
 
 
 def _beam_candidates(logits: Tensor, bias: Tensor, scores: Tensor, n: int, P: int, k: int, B: int,
-                     eos: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                     eos: int, margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fairseq's beam step on logits [n * P, 1, V]: the rules, :func:`_top_candidates`,
-    :func:`_active_hypotheses` and one status row to read on the host: the EOS flags of the top B [n * B] and
-    whether a top-k score is NaN [1]. Returns (lprobs, cand_sc, parents, words, finite_eos, active, status)."""
+    :func:`_active_hypotheses` and one status row to read on the host: the EOS flags of the top B [n * B], whether
+    a top-k score is NaN [1] and each sentence's near-tie flag [n]. Returns (lprobs, cand_sc, parents, words,
+    finite_eos, active, status)."""
     lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
-    cand_sc, parents, words, finite_eos = _top_candidates(lprobs, scores, n, P, k, eos)
+    cand_sc, parents, words, finite_eos, near = _top_candidates(lprobs, scores, n, P, k, B, eos, margin)
     active = _active_hypotheses(finite_eos, B)
-    status = torch.cat([finite_eos[:, :B].reshape(-1).long(), cand_sc.isnan().any().long().view(1)])
+    status = torch.cat([finite_eos[:, :B].reshape(-1).long(), cand_sc.isnan().any().long().view(1), near.long()])
     return lprobs, cand_sc, parents, words, finite_eos, active, status
 
 

