@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from fairseq_ext.inference.static_step import StepGraph, _linear, _norm, _Projections, decoder_refusal
+from fairseq_ext.inference.static_step import Projections, StepGraph, decoder_refusal, linear, norm_of
 
 
 class JointStepGraph(StepGraph):
@@ -28,10 +28,10 @@ class JointStepGraph(StepGraph):
 
     @classmethod
     def refusal(cls, decoder) -> Optional[str]:
-        from fairseq_ext.bert_jam.model import BertJamDecoderLayer
-
         for i, layer in enumerate(decoder.layers):
-            if type(layer) is not BertJamDecoderLayer:  # e.g. wrapped by --checkpoint-activations
+            # by name: the model module names this class (an import of it here would be a loop); a layer wrapped
+            # by --checkpoint-activations or FSDP is another class
+            if type(layer).__name__ != "BertJamDecoderLayer":
                 return f"static step: decoder layer {i} is a {type(layer).__name__}, not BERT-JAM's decoder layer"
         if getattr(decoder, "adaptive_softmax", None) is not None:
             return "static step: the decoder has an adaptive softmax"
@@ -85,14 +85,14 @@ class JointStepGraph(StepGraph):
     def __init__(self, decoder):
         torch.nn.Module.__init__(self)
         self._embeddings(decoder)
-        proj = _Projections()
+        proj = Projections()
         self.layers = []
         for layer in decoder.layers:
             branches = [dict(qkv=proj(a.q_proj, a.k_proj, a.v_proj), o=proj(a.out_proj), scale=float(a.scaling))
                         for a in (layer.encoder_attn, layer.bert_attn)]
             self.layers.append(dict(branches=branches, nb=bool(layer.normalize_before), act=layer.activation_fn,
-                                    H=layer.encoder_attn.num_heads, ln1=_norm(layer.joint_attn_layer_norm),
-                                    fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=_norm(layer.final_layer_norm)))
+                                    H=layer.encoder_attn.num_heads, ln1=norm_of(layer.joint_attn_layer_norm),
+                                    fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=norm_of(layer.final_layer_norm)))
         self.int8 = proj.modules  # registered: the trace keeps their packed weights
 
     def forward(self, tokens: Tensor, idx: Tensor, k_cache: Tensor, v_cache: Tensor, src_k: Tensor,
@@ -115,7 +115,7 @@ class JointStepGraph(StepGraph):
             memories = ((src_k[i], src_v[i], src_bias), (ctx_k[i], ctx_v[i], ctx_bias))  # E^L, B^{D,i}
             for j, (br, (mk, mv, mb)) in enumerate(zip(p["branches"], memories)):
                 c = 2 * i + j
-                q, k, v = _linear(h, br["qkv"]).split(C, dim=1)
+                q, k, v = linear(h, br["qkv"]).split(C, dim=1)
                 k_cache[c].index_copy_(2, idx, k.reshape(N, K, H, d).transpose(1, 2))
                 v_cache[c].index_copy_(2, idx, v.reshape(N, K, H, d).transpose(1, 2))
                 q = q * br["scale"]
@@ -130,12 +130,12 @@ class JointStepGraph(StepGraph):
                 o_mem = torch.matmul(w_mem.reshape(B, P, H, K, S).transpose(1, 2).reshape(B, H, P * K, S), mv)
                 o = o_mem.reshape(B, H, P, K, d).transpose(1, 2).reshape(N, H, K, d) + torch.matmul(w[..., S:],
                                                                                                   v_cache[c])
-                out = out + 0.5 * _linear(o.transpose(1, 2).reshape(N * K, C), br["o"])  # Eq. 10's 1/2
+                out = out + 0.5 * linear(o.transpose(1, 2).reshape(N * K, C), br["o"])  # Eq. 10's 1/2
                 if i == last and j == 0:  # the alignment: weights on E^L of the last layer, mean of the heads
                     attn = w_mem.mean(dim=1)
             x = out if p["nb"] else self._ln(out, p["ln1"])
             h = self._ln(x, p["ln3"]) if p["nb"] else x
-            x = x + _linear(p["act"](_linear(h, p["fc1"])), p["fc2"])
+            x = x + linear(p["act"](linear(h, p["fc1"])), p["fc2"])
             if not p["nb"]:
                 x = self._ln(x, p["ln3"])
         if self.final_ln is not None:

@@ -165,7 +165,7 @@ def _bias(m) -> Optional[Tensor]:
     return m.bias.detach() if m.bias is not None else None
 
 
-class _Projections:
+class Projections:
     """The projections of the graph: a float ``nn.Linear`` as (weight in its layout, transposed, bias); PyTorch's
     int8 dynamic ``Linear`` as the module itself (kept in ``modules``, so that the trace holds its packed int8
     weight). Three stacked projections (q / k / v) are one product: float weights concatenated, int8 ones fused
@@ -192,18 +192,18 @@ class _Projections:
         return (module,)
 
 
-def _linear(x: Tensor, spec) -> Tensor:
+def linear(x: Tensor, spec) -> Tensor:
     if len(spec) == 1:  # PyTorch's int8 dynamic Linear
         return spec[0](x)
     if isinstance(spec[0], tuple):  # several int8 projections that do not stack
-        return torch.cat([_linear(x, s) for s in spec], dim=-1)
+        return torch.cat([linear(x, s) for s in spec], dim=-1)
     w, transposed, b = spec
     if not transposed:
         return F.linear(x, w, b)
     return torch.matmul(x, w) if b is None else torch.addmm(b, x, w)
 
 
-def _norm(ln):
+def norm_of(ln):
     """(weight, bias, eps) of a fairseq LayerNorm (torch's or a fused one)."""
     return ln.weight.detach(), ln.bias.detach(), float(ln.eps)
 
@@ -281,7 +281,7 @@ class StepGraph(torch.nn.Module):
     def __init__(self, decoder):
         super().__init__()
         self._embeddings(decoder)
-        proj = _Projections()
+        proj = Projections()
         self.gates = torch.nn.ModuleList()  # registered: the trace keeps their weights
         self.layers = []
         for layer in decoder.layers:
@@ -294,9 +294,10 @@ class StepGraph(torch.nn.Module):
                 gate=gate,
                 nb=bool(layer.normalize_before), act=layer.activation_fn, H=sa.num_heads,
                 s_scale=float(sa.scaling), c_scale=float(ca.scaling),
-                qkv=proj(sa.q_proj, sa.k_proj, sa.v_proj), so=proj(sa.out_proj), ln1=_norm(layer.self_attn_layer_norm),
-                cq=proj(ca.q_proj), co=proj(ca.out_proj), ln2=_norm(layer.encoder_attn_layer_norm),
-                fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=_norm(layer.final_layer_norm)))
+                qkv=proj(sa.q_proj, sa.k_proj, sa.v_proj), so=proj(sa.out_proj),
+                ln1=norm_of(layer.self_attn_layer_norm),
+                cq=proj(ca.q_proj), co=proj(ca.out_proj), ln2=norm_of(layer.encoder_attn_layer_norm),
+                fc1=proj(layer.fc1), fc2=proj(layer.fc2), ln3=norm_of(layer.final_layer_norm)))
         self.int8 = proj.modules  # registered: the trace keeps their packed weights
 
     @staticmethod
@@ -320,8 +321,8 @@ class StepGraph(torch.nn.Module):
             else:
                 table = ep.weight
             self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
-        self.emb_ln = _norm(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
-        self.final_ln = _norm(decoder.layer_norm) if decoder.layer_norm is not None else None
+        self.emb_ln = norm_of(decoder.layernorm_embedding) if decoder.layernorm_embedding is not None else None
+        self.final_ln = norm_of(decoder.layer_norm) if decoder.layer_norm is not None else None
         self.C = C
 
     def _embed(self, tokens: Tensor, idx: Tensor) -> Tensor:
@@ -358,37 +359,37 @@ class StepGraph(torch.nn.Module):
             d = C // H
             # self-attention: one q/k/v product, the new keys / values written into the cache in place
             h = self._ln(x, p["ln1"]) if p["nb"] else x
-            q, k, v = _linear(h, p["qkv"]).split(C, dim=1)
+            q, k, v = linear(h, p["qkv"]).split(C, dim=1)
             k_cache[i].index_copy_(2, idx, k.reshape(N, K, H, d).transpose(1, 2))
             v_cache[i].index_copy_(2, idx, v.reshape(N, K, H, d).transpose(1, 2))
             q = q.reshape(N, K, H, d).transpose(1, 2)
             a = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=self_bias, scale=p["s_scale"])
-            x = x + _linear(a.transpose(1, 2).reshape(N * K, C), p["so"])
+            x = x + linear(a.transpose(1, 2).reshape(N * K, C), p["so"])
             if not p["nb"]:
                 x = self._ln(x, p["ln1"])
             # encoder-decoder attention over the source keys / values of the search, kept once per source: the
             # P rows of a source (a sentence's beam) query them as one block of P * K queries
             h = self._ln(x, p["ln2"]) if p["nb"] else x
-            q = _linear(h, p["cq"]).reshape(B, P * K, H, d).transpose(1, 2)  # [B, H, P*K, d]
+            q = linear(h, p["cq"]).reshape(B, P * K, H, d).transpose(1, 2)  # [B, H, P*K, d]
             if i == last:  # the alignment layer: its weights too (softmax in float, as fairseq)
                 w = torch.softmax(torch.matmul(q * p["c_scale"], src_k[i].transpose(-1, -2)) + src_bias, dim=-1)
                 a = torch.matmul(w, src_v[i])
                 attn = w.mean(dim=1).reshape(N, K, -1)
             else:
                 a = F.scaled_dot_product_attention(q, src_k[i], src_v[i], attn_mask=src_bias, scale=p["c_scale"])
-            a = _linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
+            a = linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
             if p["ctx"] is not None:  # a second memory, fused with the gate or summed (msc_transformer's C^n)
                 c = p["ctx"]
-                qc = _linear(h, c["q"]).reshape(B, P * K, H, d).transpose(1, 2)
+                qc = linear(h, c["q"]).reshape(B, P * K, H, d).transpose(1, 2)
                 ac = F.scaled_dot_product_attention(qc, ctx_k[i], ctx_v[i], attn_mask=ctx_bias, scale=c["scale"])
-                ac = _linear(ac.transpose(1, 2).reshape(N * K, C), c["o"])
+                ac = linear(ac.transpose(1, 2).reshape(N * K, C), c["o"])
                 a = a + ac if p["gate"] is None else p["gate"](a, ac)
             x = x + a
             if not p["nb"]:
                 x = self._ln(x, p["ln2"])
             # feed-forward
             h = self._ln(x, p["ln3"]) if p["nb"] else x
-            x = x + _linear(p["act"](_linear(h, p["fc1"])), p["fc2"])
+            x = x + linear(p["act"](linear(h, p["fc1"])), p["fc2"])
             if not p["nb"]:
                 x = self._ln(x, p["ln3"])
         if self.final_ln is not None:
