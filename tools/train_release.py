@@ -25,7 +25,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_UPDATES = {"transformer": 5000, "fconv_glu": 3000, "msc_transformer": 3000, "sat_transformer": 3000,
+DEFAULT_UPDATES = {"transformer": 5000, "fconv_glu": 3000, "msc_transformer": 3000, "sat_transformer": 8000,
                    "bert_jam": 2000}
 DIRECTIONS = {"bert_jam": "en-de"}
 

@@ -10,7 +10,7 @@ Contenders (the release transformer unless named otherwise), each decoding the s
   ``build_generator`` (the group search at K = 1 on the static decoder step of
   ``fairseq_ext/inference/static_step.py``);
 * ``lean``: the same search on the lean step (``--task translation_sat --no-static-step``), the step before it;
-* ``SAT K=2`` (the release ``sat_transformer_k2.pt``; more with ``--sat NAME=PATH``) through
+* ``SAT K=2`` / ``K=4`` / ``K=6`` (the releases ``sat_transformer_k{2,4,6}.pt``; more with ``--sat NAME=PATH``) through
   ``--task translation_sat``'s generator, on the static step;
 * ``int8``: the default search with every decoder ``nn.Linear`` in int8 (``--inference-speedups int8-decoder``,
   PyTorch's dynamic quantisation, on the same static step);
@@ -97,7 +97,8 @@ def contenders(args, data):
                   make_gen=lambda beam: SATSequenceGenerator([tr], D, beam_size=beam, max_len_b=200,
                                                              static_step=False)),
     ]
-    sats = [("SAT K=2", os.path.join(args.release, "sat_transformer_k2.pt"))]
+    sats = [(f"SAT K={K}", os.path.join(args.release, f"sat_transformer_k{K}.pt")) for K in (2, 4, 6)]
+    sats = [s for s in sats if s[0] == "SAT K=2" or os.path.exists(s[1])]  # K=2 said missing, K=4/6 if released
     sats += [spec.rpartition("=")[::2] for spec in args.sat]
     for name, path in sats:
         if not os.path.exists(path):

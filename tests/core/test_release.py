@@ -157,7 +157,8 @@ def test_shipped_release_matches_its_manifest_and_loads_safely(release_dir, name
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["transformer", "fconv_glu", "msc_transformer", "sat_transformer_k2"])
+@pytest.mark.parametrize("name", ["transformer", "fconv_glu", "msc_transformer", "sat_transformer_k2",
+                                  "sat_transformer_k4", "sat_transformer_k6"])
 def test_the_shipped_de_en_releases_translate_the_demo_sentences(name, tmp_path):
     """The releases the quickstart starts from, through fairseq-interactive with --user-dir: the meaning of the
     demo sentences is there."""
