@@ -47,12 +47,8 @@ class JointStepGraph(StepGraph):
         return out
 
     @classmethod
-    def weight_modules(cls, decoder) -> list:
-        modules = cls.projections(decoder) + [decoder.embed_tokens, decoder.embed_positions,
-                                              decoder.layernorm_embedding, decoder.layer_norm]
-        for layer in decoder.layers:
-            modules += [layer.joint_attn_layer_norm, layer.final_layer_norm]
-        return modules
+    def layer_modules(cls, layer) -> list:
+        return [layer.joint_attn_layer_norm, layer.final_layer_norm]
 
     @classmethod
     def heads(cls, decoder) -> int:
@@ -133,11 +129,5 @@ class JointStepGraph(StepGraph):
                 out = out + 0.5 * linear(o.transpose(1, 2).reshape(N * K, C), br["o"])  # Eq. 10's 1/2
                 if i == last and j == 0:  # the alignment: weights on E^L of the last layer, mean of the heads
                     attn = w_mem.mean(dim=1)
-            x = out if p["nb"] else self._ln(out, p["ln1"])
-            h = self._ln(x, p["ln3"]) if p["nb"] else x
-            x = x + linear(p["act"](linear(h, p["fc1"])), p["fc2"])
-            if not p["nb"]:
-                x = self._ln(x, p["ln3"])
-        if self.final_ln is not None:
-            x = self._ln(x, self.final_ln)
-        return x, attn
+            x = self._ffn(out if p["nb"] else self._ln(out, p["ln1"]), p)
+        return self._final(x), attn

@@ -239,14 +239,20 @@ class StepGraph(torch.nn.Module):
 
     @classmethod
     def weight_modules(cls, decoder) -> list:
-        """Every module whose weights the graph copies: projections, embeddings, layer norms, gates."""
+        """Every module whose weights the graph copies: projections, embeddings, and each layer's
+        :meth:`layer_modules`."""
         modules = cls.projections(decoder) + [decoder.embed_tokens, decoder.embed_positions,
                                               decoder.layernorm_embedding, decoder.layer_norm]
         for layer in decoder.layers:
-            modules += [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm]
-            gate = getattr(layer, "gate", None)
-            modules += list(gate.modules()) if gate is not None else []
+            modules += cls.layer_modules(layer)
         return modules
+
+    @classmethod
+    def layer_modules(cls, layer) -> list:
+        """A layer's modules the graph copies besides its projections: layer norms, a gate."""
+        gate = getattr(layer, "gate", None)
+        return [layer.self_attn_layer_norm, layer.encoder_attn_layer_norm, layer.final_layer_norm] + (
+            list(gate.modules()) if gate is not None else [])
 
     @classmethod
     def heads(cls, decoder) -> int:
@@ -387,14 +393,17 @@ class StepGraph(torch.nn.Module):
             x = x + a
             if not p["nb"]:
                 x = self._ln(x, p["ln2"])
-            # feed-forward
-            h = self._ln(x, p["ln3"]) if p["nb"] else x
-            x = x + linear(p["act"](linear(h, p["fc1"])), p["fc2"])
-            if not p["nb"]:
-                x = self._ln(x, p["ln3"])
-        if self.final_ln is not None:
-            x = self._ln(x, self.final_ln)
-        return x, attn
+            x = self._ffn(x, p)
+        return self._final(x), attn
+
+    def _ffn(self, x: Tensor, p) -> Tensor:
+        """A layer's feed-forward block with its residual and layer norm (``fc1``, ``fc2``, ``ln3`` of ``p``)."""
+        h = self._ln(x, p["ln3"]) if p["nb"] else x
+        x = x + linear(p["act"](linear(h, p["fc1"])), p["fc2"])
+        return x if p["nb"] else self._ln(x, p["ln3"])
+
+    def _final(self, x: Tensor) -> Tensor:
+        return self._ln(x, self.final_ln) if self.final_ln is not None else x
 
 
 _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder -> (weights key, step)

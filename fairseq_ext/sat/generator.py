@@ -412,9 +412,8 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                     cand_sc, parents, words, finite_eos, near = step_rules._top_candidates(
                         lprobs, scores, n, P, k, B, eos, self._tie_margin)
                 active = None
-                # the host read of the step
-                status = torch.cat([finite_eos[:, :B].reshape(-1).long(), near.new_zeros(1).long(), near.long()]
-                                   ).tolist()
+                # the host read of the step (NaN: already turned into -inf above)
+                status = step_rules._beam_status(finite_eos, B, near.new_zeros(()), near).tolist()
             self._near_ties.update(sents[s_] for s_, v in enumerate(status[n * B + 1:]) if v)
             if step_attn is not None and attn is None:
                 attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)

@@ -164,8 +164,14 @@ def _beam_candidates(logits: Tensor, bias: Tensor, scores: Tensor, n: int, P: in
     lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
     cand_sc, parents, words, finite_eos, near = _top_candidates(lprobs, scores, n, P, k, B, eos, margin)
     active = _active_hypotheses(finite_eos, B)
-    status = torch.cat([finite_eos[:, :B].reshape(-1).long(), cand_sc.isnan().any().long().view(1), near.long()])
-    return lprobs, cand_sc, parents, words, finite_eos, active, status
+    return lprobs, cand_sc, parents, words, finite_eos, active, _beam_status(finite_eos, B, cand_sc.isnan().any(),
+                                                                            near)
+
+
+def _beam_status(finite_eos: Tensor, B: int, nan: Tensor, near: Tensor) -> Tensor:
+    """The beam step's one host read: the EOS flags of each sentence's top B [n * B], whether a top-k score is NaN
+    [1] (``nan``, a bool scalar), each sentence's near-tie flag [n]."""
+    return torch.cat([finite_eos[:, :B].reshape(-1).long(), nan.long().view(1), near.long()])
 
 
 def _beam_advance(tokens: Tensor, cum: Tensor, attn: Optional[Tensor], step_attn: Optional[Tensor], cand_sc: Tensor,
