@@ -6,6 +6,9 @@ os.environ.setdefault("MKL_NUM_THREADS", "2")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the static decoder step traced, not compiled ahead of time in background processes for every tiny model of the
+# suite (tests/inference/test_aot_step.py compiles on purpose, into its own cache)
+os.environ.setdefault("FAIRSEQ_EXT_STEP_CAPTURE", "trace")
 
 import pytest  # noqa: E402
 

@@ -55,8 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--no-int8", action="store_true", help="leave out the int8 contender")
     p.add_argument("--quick", action="store_true", help="batch 1 only, greedy and beam 4 (the tests)")
     p.add_argument("--capture", action="store_true",
-                   help="instead: the static step's decoder call captured three ways (eager, torch.jit.trace, "
-                        "torch.compile) and each weight layout, us per call at 1 and 4 rows")
+                   help="instead: the static step's decoder call captured four ways (eager, torch.jit.trace, "
+                        "AOTInductor, torch.compile) and each weight layout, us per call at 1 and 4 rows")
     p.add_argument("--no-compile", action="store_true", help="with --capture: leave torch.compile out")
     p.add_argument("--json", help="write the table and the details here")
     p.add_argument("--seed", type=int, default=1)
@@ -107,6 +107,9 @@ def contenders(args, data):
         m, sat_task = load(path, data)
         cs.append(Contender(name, int(m.decoder.group_size), "sat", model=m,
                             make_gen=lambda beam, m=m, t=sat_task: t.build_generator([m], gen_args(beam))))
+    for c in cs:
+        if c.family != "fairseq" and c.name != "lean":
+            compiled_step(c.name, c.model)
     if not args.no_int8:
         q = apply_speedups(copy.deepcopy(tr), "int8-decoder")
         cs.append(Contender("int8", 1, "ours", variant="int8", model=q,
@@ -115,6 +118,25 @@ def contenders(args, data):
         cs += ct2_contenders(os.path.join(args.release, "transformer.pt"), data, os.path.join(args.workdir, "ct2"),
                              args, task)
     return cs, task
+
+
+def compiled_step(name, model):
+    """Waits for the static step of ``model`` compiled ahead of time (``fairseq_ext/inference/aot_step.py``: a
+    background compile on the first run, the disk cache after), so that every search timed runs on it; prints
+    which capture the step runs on."""
+    from fairseq_ext.inference import aot_step
+    from fairseq_ext.inference import static_step as ss
+
+    if ss.static_refusal(model) is not None:
+        return
+    step = ss.step_graph(model.decoder)
+    if isinstance(step.compiled, aot_step.Pending):
+        t0 = time.perf_counter()
+        step.compiled.wait()
+        step.refresh()
+        print(f"{name}: static step compiled ahead of time in {time.perf_counter() - t0:.0f} s (cached for the next "
+              f"run)", flush=True)
+    print(f"{name}: static step {step.capture}", flush=True)
 
 
 def batches(task, n, bsz):
@@ -234,6 +256,7 @@ def capture_part(args, data):
     """--capture: the ways to run the step and the weight layouts (fairseq_ext/inference/static_step.py)."""
     import torch
 
+    from fairseq_ext.inference import aot_step
     from fairseq_ext.inference import static_step as ss
 
     model, _ = load(os.path.join(args.release, "transformer.pt"), data)
@@ -242,6 +265,15 @@ def capture_part(args, data):
     ways = {"eager": (ss.Step(module, output), 0.0)}
     t0 = time.perf_counter()
     ways["torch.jit.trace"] = (ss.Step(ss.capture(module, model.decoder), output), time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    compiled = aot_step.start(module, ss.example_inputs(module, model.decoder, N=6, B=3, S=7, T=96))
+    if isinstance(compiled, aot_step.Pending):
+        compiled = compiled.wait()
+    if compiled is not None:
+        ways["AOTInductor"] = (ss.Step(compiled, output), time.perf_counter() - t0)
+    else:
+        print("AOTInductor left out: FAIRSEQ_EXT_STEP_CAPTURE is not aot, or the compile failed (its log in "
+              f"{aot_step.cache_dir()})")
     try:
         if args.no_compile:
             raise RuntimeError("--no-compile")
@@ -252,11 +284,11 @@ def capture_part(args, data):
         ways["torch.compile"] = (compiled, time.perf_counter() - t0)
     except Exception as e:  # no C++ compiler, or inductor cannot compile it
         print(f"torch.compile left out: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    print(f"{'capture':18s} {'setup s':>8s} {'us/call 1 row':>14s} {'4 rows':>8s}")
+    print(f"{'capture':18s} {'setup s':>8s} {'us/call 1 row':>14s} {'4 rows':>8s} {'16 rows':>8s}")
     for rep in range(3):
         for name, (graph, setup) in ways.items():
-            print(f"{name:18s} {setup:8.2f} {_per_call(graph, model, 1):14.1f} {_per_call(graph, model, 4):8.1f}",
-                  flush=True)
+            print(f"{name:18s} {setup:8.2f} {_per_call(graph, model, 1):14.1f} {_per_call(graph, model, 4):8.1f} "
+                  f"{_per_call(graph, model, 16):8.1f}", flush=True)
     print(f"\n{'weight [out, in]':18s} {'rows':>4s} {'F.linear us':>11s} {'[in, out] us':>12s} {'oneDNN us':>9s}")
     dec = model.decoder
     layer = dec.layers[0]

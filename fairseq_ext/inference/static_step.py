@@ -27,13 +27,15 @@ are kept once per source: the rows of a sentence's beam query them as one block,
 moves no source tensor. The weights are constants of the graph, each in the layout its few-row product is
 fastest in (:func:`_layout`).
 
-Capture: ``torch.jit.trace``, once per decoder (tens of milliseconds, no compiler). ``python -m
-benchmarks.speed.decode --capture`` times the three ways PyTorch offers on the release transformer: the module
-eagerly, traced, and ``torch.compile`` (inductor, dynamic shapes). Traced was the fastest per call at 1 and 4
-rows there, and ``torch.compile`` took tens of seconds per shape family and needs a C++ compiler on the user's
-machine at run time, so the step is traced. PyTorch 2.13 marks TorchScript deprecated: where ``torch.jit.trace``
-is gone or fails, the same module runs eagerly (one log line; the same numbers, slower). Nothing is written to
-disk.
+Capture: ``torch.jit.trace`` at once (tens of milliseconds), then, where a C++ compiler is there, the same module
+exported by ``torch.export`` and compiled by AOTInductor in a background process, cached on disk: every search that
+starts once the package is written runs its calls of up to :data:`AOT_MAX_ROWS` rows on it, in this process and in
+every later run (:mod:`fairseq_ext.inference.aot_step`; ``FAIRSEQ_EXT_STEP_CAPTURE=trace`` keeps the trace). Calls
+of more rows stay traced: there the compiled graph's attention was several times slower per call. ``python -m
+benchmarks.speed.decode --capture`` times the ways PyTorch offers on the release transformer at 1, 4 and 16 rows:
+the module eagerly, traced, AOTInductor and ``torch.compile`` (inductor, dynamic shapes; its guards run in Python at
+every call). PyTorch 2.13 marks TorchScript deprecated: where ``torch.jit.trace`` is gone or fails, the same module
+runs eagerly (one log line; the same numbers, slower).
 
 Numbers: the same float32 products as fairseq's layers in another order (differences ~1e-6), so a search on it
 returns fairseq's hypotheses except at near-ties; ``tests/inference/test_static_step.py`` checks incremental ==
@@ -49,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_ext.inference import aot_step
 from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear as DynamicQuantizedLinear
 from fairseq_ext.inference.lean_decoder import _stacked_int8 as stacked_int8
 from fairseq_ext.inference.lean_decoder import equal_runs, lean_refusal
@@ -322,8 +325,10 @@ class StepGraph(torch.nn.Module):
             self.positions = None
         else:  # the table from position 0 (fairseq's padding_idx + 1)
             if isinstance(ep, SinusoidalPositionalEmbedding):
-                table = ep.weights if ep.weights.size(0) >= ep.padding_idx + 1 + 1024 else \
-                    ep.get_embedding(ep.padding_idx + 1 + 1024, C, ep.padding_idx)
+                # made anew at a fixed length (fairseq's own table grows as longer inputs come): the same values,
+                # and the same graph whatever the decoder has decoded before
+                n = max(1024, int(getattr(decoder, "max_target_positions", 0) or 0))
+                table = ep.get_embedding(ep.padding_idx + 1 + n, C, ep.padding_idx)
             else:
                 table = ep.weight
             self.positions = table.detach()[ep.padding_idx + 1:].contiguous()
@@ -411,22 +416,53 @@ _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder ->
 
 def step_graph(decoder) -> "Step":
     """The static step of ``decoder`` (its captured graph and output projection), made once per decoder and kept
-    while the decoder lives; made again when what it copied changes (:func:`_weights_key`)."""
+    while the decoder lives; made again when what it copied changes (:func:`_weights_key`). Its graph becomes the
+    compiled one once that is ready (:meth:`Step.refresh`)."""
     key = _weights_key(decoder)
     cached = _GRAPHS.get(decoder)
     if cached is not None and cached[0] == key:
+        cached[1].refresh()
         return cached[1]
     module = graph_class(decoder)(decoder).eval()
     step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
+    # compiled ahead of time where it can be (module docstring); the example has distinct sizes for rows, sources,
+    # memory and cache lengths, none of them 1: torch.export keeps each dynamic and apart
+    step.compiled = aot_step.start(module, example_inputs(module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET))
+    step.refresh()
     _GRAPHS[decoder] = (key, step)
     return step
 
 
+AOT_MAX_ROWS = 4  # rows a call up to which the compiled graph runs; beyond, the traced one (module docstring)
+
+
 class Step:
-    """A decoder's static step: the captured graph of its layers and its output projection."""
+    """A decoder's static step: its traced (or eager) graph, its output projection, and ``compiled``: the graph
+    compiled ahead of time, pending or ready (:mod:`fairseq_ext.inference.aot_step`), or None."""
 
     def __init__(self, graph, output: "OutputProjection"):
         self.graph, self.output = graph, output
+        self.compiled = None
+
+    def refresh(self) -> None:
+        """Takes the compiled graph once its package is ready (checked once per search)."""
+        c = self.compiled
+        if isinstance(c, aot_step.Pending):
+            ready = c.ready()
+            if ready is not None or c.failed:
+                self.compiled = ready
+
+    def graph_for(self, rows: int):
+        """The graph a call of ``rows`` rows runs on: the compiled one up to :data:`AOT_MAX_ROWS` rows, where it is
+        the faster, else the traced one."""
+        c = self.compiled
+        return c if rows <= AOT_MAX_ROWS and isinstance(c, aot_step.AOTGraph) else self.graph
+
+    @property
+    def capture(self) -> str:
+        """How a call of few rows runs now: "aot", "trace" or "eager"."""
+        return "aot" if isinstance(self.graph_for(1), aot_step.AOTGraph) else \
+            "trace" if isinstance(self.graph, torch.jit.ScriptModule) else "eager"
 
 
 ONEDNN_MIN_ROWS = 2  # rows from which the output projection takes oneDNN's product
@@ -459,24 +495,31 @@ class OutputProjection:
         return torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
 
 
-def capture(module: StepGraph, decoder):
-    """``module`` traced by ``torch.jit.trace`` (module docstring: why TorchScript), or ``module`` itself, with one
-    log line, where this PyTorch cannot trace it."""
+def example_inputs(module: StepGraph, decoder, N: int = 2, B: int = 2, S: int = 5, T: int = LENGTH_BUCKET):
+    """Inputs of a call of ``module`` (N rows reading B sources of S positions, caches of T positions) to capture
+    it with."""
     cls = type(module)
     L, H, caches = len(decoder.layers), cls.heads(decoder), cls.cache_count(decoder)
     d = module.C // H
     K = int(getattr(decoder, "group_size", 1))
-    N, S, T = 2, 5, LENGTH_BUCKET
     seconds = any(p is not None for p in cls.memory_projections(decoder)[1])
-    ctx, ctx_bias = ((L, N, H, S + 1, d), (N, 1, 1, S + 1)) if seconds else ((0,), (0,))
-    example = (torch.full((N, K), decoder.dictionary.eos(), dtype=torch.long), torch.arange(K),
-               torch.zeros(caches, N, H, T, d), torch.zeros(caches, N, H, T, d), torch.zeros(L, N, H, S, d),
-               torch.zeros(L, N, H, S, d), torch.zeros(N, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx),
-               torch.zeros(ctx_bias))
+    S2 = S + 4  # a second memory of its own length
+    ctx, ctx_bias = ((L, B, H, S2, d), (B, 1, 1, S2)) if seconds else ((0,), (0,))
+    return (torch.full((N, K), decoder.dictionary.eos(), dtype=torch.long), torch.arange(K),
+            torch.zeros(caches, N, H, T, d), torch.zeros(caches, N, H, T, d), torch.zeros(L, B, H, S, d),
+            torch.zeros(L, B, H, S, d), torch.zeros(B, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx),
+            torch.zeros(ctx_bias))
+
+
+def capture(module: StepGraph, decoder):
+    """``module`` traced by ``torch.jit.trace`` (module docstring: the capture), or ``module`` itself where
+    ``FAIRSEQ_EXT_STEP_CAPTURE=eager`` or this PyTorch cannot trace it (one log line)."""
+    if aot_step.mode() == "eager":
+        return module
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PyTorch 2.13 announces TorchScript's end (module docstring)
-            return torch.jit.trace(module, example, check_trace=False)
+            return torch.jit.trace(module, example_inputs(module, decoder), check_trace=False)
     except Exception as e:  # a PyTorch without TorchScript: the same code, one Python call per operation
         logger.info(f"static step: torch.jit.trace is not available ({type(e).__name__}: {e}); the step runs "
                     f"eagerly (the same numbers, slower)")
@@ -561,9 +604,10 @@ class StaticState:
         return self.k.size(3)
 
     def reserve(self, end: int) -> None:
-        """Room for positions up to ``end`` (exclusive), in whole buckets."""
+        """Room for positions up to ``end`` (exclusive): the caches grow to the bucket of ``end``, so that a call
+        reads them whole (contiguous, as the compiled graph takes them)."""
         if end > self.capacity:
-            self._zeros(self.k.size(1), max(-(-end // LENGTH_BUCKET) * LENGTH_BUCKET, 2 * self.capacity), self.k)
+            self._zeros(self.k.size(1), -(-end // LENGTH_BUCKET) * LENGTH_BUCKET, self.k)
 
     def reorder(self, order: Tensor, same_sources: bool = False) -> None:
         """The rows follow ``order``; ``same_sources``: every new row reads the source its old row read (a beam
@@ -609,8 +653,8 @@ def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, te
     state.reserve(end)
     T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
     k, v = state.window(T)
-    x, attn = step.graph.forward(tokens, torch.arange(first, end), k, v, state.src_k, state.src_v, state.src_bias,
-                                 state.ctx_k, state.ctx_v, state.ctx_bias)
+    x, attn = step.graph_for(N).forward(tokens.contiguous(), torch.arange(first, end), k, v, state.src_k, state.src_v,
+                                 state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:

@@ -1,0 +1,160 @@
+"""The static step compiled ahead of time (fairseq_ext/inference/aot_step.py): the background compile writes a
+package that later searches take; the compiled graph equals the full pass (1e-5) across length buckets, with padded
+sources, one row or a beam of rows per source, and reorders with permutations; the generators' hypotheses on it
+equal fairseq's; a second load takes the package from the cache without compiling; a damaged package, a failed
+compile, no C++ compiler and a bad FAIRSEQ_EXT_STEP_CAPTURE each say so in one line or a clear error. Slow: each
+model compiles for ~30-60 s."""
+
+import copy
+import logging
+import os
+
+import pytest
+import torch
+from fairseq.sequence_generator import SequenceGenerator
+
+from fairseq_ext.common.errors import FairseqExtError
+from fairseq_ext.inference import aot_step
+from fairseq_ext.inference import static_step as ss
+from fairseq_ext.sat.generator import SATSequenceGenerator
+from tests.builders import SAT_DICT as DICT
+from tests.builders import sat_model, sat_sample
+from tests.helpers import assert_close
+from tests.inference.test_static_step import assert_reorders, batch, full_pass, static_pass, transformer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+slow = pytest.mark.slow  # the tests that take the compiled models
+
+
+@pytest.fixture(scope="module")
+def aot_env(tmp_path_factory):
+    """FAIRSEQ_EXT_STEP_CAPTURE=aot with a cache of the module's own."""
+    cache = str(tmp_path_factory.mktemp("aot-cache"))
+    mp = pytest.MonkeyPatch()
+    mp.setenv(aot_step.CAPTURE, "aot")
+    mp.setenv(aot_step.CACHE, cache)
+    yield cache
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def compiled(aot_env):
+    """A transformer and a SAT K=2 whose steps were compiled in the background, waited for."""
+    models = {"transformer": transformer(), "sat K=2": sat_model(2)}
+    for m in models.values():
+        step = ss.step_graph(m.decoder)
+        assert isinstance(step.compiled, aot_step.Pending) and step.capture == "trace"  # decodes at once, traced
+        assert step.compiled.wait() is not None, open(step.compiled.path[:-4] + ".log").read()[-3000:]
+        assert ss.step_graph(m.decoder).capture == "aot"  # the next search takes the package
+    return models
+
+
+@slow
+@pytest.mark.parametrize("name", ["transformer", "sat K=2"])
+@pytest.mark.parametrize("bsz, src_len", [(3, 9), (1, 2)])
+def test_compiled_step_equals_the_full_pass_across_length_buckets(compiled, name, bsz, src_len):
+    m = compiled[name]
+    K = int(getattr(m.decoder, "group_size", 1))
+    src, lengths, prev = batch(bsz=bsz, src_len=src_len, tgt_len=2 * ss.LENGTH_BUCKET + 2 * K)
+    if bsz == 1:  # one short source alone, no padding (greedy at batch 1: one row, one source)
+        src = torch.randint(DICT.nspecial, len(DICT), (1, src_len), generator=torch.Generator().manual_seed(5))
+        src[0, -1], lengths = DICT.eos(), torch.tensor([src_len])
+    assert ss.step_graph(m.decoder).capture == "aot"
+    lprobs, attn = static_pass(m, src, lengths, prev)
+    full, full_attn = full_pass(m, src, lengths, prev)
+    assert_close(lprobs, full, atol=1e-5)
+    assert_close(attn, full_attn, atol=1e-5)
+
+
+@slow
+@pytest.mark.parametrize("name", ["transformer", "sat K=2"])
+def test_compiled_step_reorders_with_a_permutation(compiled, name):
+    assert ss.step_graph(compiled[name].decoder).capture == "aot"
+    assert_reorders(compiled[name])
+
+
+@slow
+def test_compiled_step_serves_rows_that_share_a_source(compiled):
+    """A beam: 4 rows per source (the source keys kept once per source), two sources, then one left."""
+    m = compiled["transformer"]
+    src, lengths, prev = batch(bsz=2, tgt_len=10)
+    rows = torch.arange(2).repeat_interleave(4)
+    with torch.no_grad():
+        enc = m.encoder(src, lengths)
+        state = ss.StaticState(m.decoder, enc, 8)
+        out = torch.cat([ss.static_call(ss.step_graph(m.decoder), state, prev[rows][:, i: i + 1], i)[0]
+                         for i in range(6)], 1)
+    full, _ = full_pass(m, src[rows], lengths[rows], prev[rows][:, :6])
+    assert state.rows_per_source == 4
+    assert_close(out, full, atol=1e-5)
+
+
+@slow
+@pytest.mark.parametrize("beam", [1, 3])
+def test_generator_on_the_compiled_step_gives_fairseqs_hypotheses(compiled, beam):
+    m = compiled["transformer"]
+    src, lengths, _ = batch(bsz=3, src_len=9)
+    sample = sat_sample(src, lengths)
+    ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    a = ours.generate([m], sample)
+    with torch.no_grad():
+        b = ref.generate([m], sample)
+    assert ours.model.step_name == "static" and ss.step_graph(m.decoder).capture == "aot"
+    assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
+
+
+@slow
+def test_another_decoder_with_the_same_weights_loads_the_package_without_compiling(compiled, aot_env):
+    twin = copy.deepcopy(compiled["transformer"])
+    step = ss.step_graph(twin.decoder)
+    assert isinstance(step.compiled, aot_step.AOTGraph) and step.capture == "aot"
+    assert len([f for f in os.listdir(os.path.join(aot_env, "static_step")) if f.endswith(".pt2")]) == 2
+    with torch.no_grad():  # a changed weight is another model: not this package
+        twin.decoder.layers[0].fc1.weight[0, 0] += 1e-3
+    module = ss.StepGraph(twin.decoder)
+    example = ss.example_inputs(module, twin.decoder)
+    assert aot_step.package_key(module, example) != aot_step.package_key(ss.StepGraph(
+        compiled["transformer"].decoder), example)
+
+
+@slow
+def test_key_holds_the_cpu_capability(compiled, monkeypatch):
+    dec = compiled["transformer"].decoder
+    module = ss.StepGraph(dec)
+    example = ss.example_inputs(module, dec)
+    here = aot_step.package_key(module, example)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "NO_AVX")
+    assert aot_step.package_key(module, example) != here
+
+
+def test_damaged_package_is_removed_and_a_failed_compile_is_not_retried(aot_env, monkeypatch, caplog):
+    m = transformer(seed=7)
+    module = ss.StepGraph(m.decoder).eval()  # as step_graph makes it
+    example = ss.example_inputs(module, m.decoder, N=6, B=3, S=7, T=3 * ss.LENGTH_BUCKET)
+    key = os.path.join(aot_env, "static_step", aot_step.package_key(module, example))
+    os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)
+    with open(key + ".pt2", "wb") as f:
+        f.write(b"not a package")
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    with caplog.at_level(logging.INFO, logger="fairseq_ext.inference.aot_step"):
+        step = ss.step_graph(m.decoder)
+    assert step.compiled is None and step.capture == "trace" and not os.path.exists(key + ".pt2")
+    assert "does not load" in caplog.text and "no C++ compiler (no-such-compiler)" in caplog.text
+    open(key + ".failed", "w").close()
+    monkeypatch.delenv("CXX")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fairseq_ext.inference.aot_step"):
+        assert aot_step.start(module, example) is None
+    assert "failed earlier" in caplog.text and not os.path.exists(key + ".lock")
+
+
+def test_capture_modes_and_a_bad_one(monkeypatch):
+    m = transformer(seed=3)
+    monkeypatch.setenv(aot_step.CAPTURE, "trace")
+    assert ss.step_graph(m.decoder).capture == "trace" and ss.step_graph(m.decoder).compiled is None
+    monkeypatch.setenv(aot_step.CAPTURE, "eager")
+    assert ss.step_graph(copy.deepcopy(m).decoder).capture == "eager"
+    monkeypatch.setenv(aot_step.CAPTURE, "jit")
+    with pytest.raises(FairseqExtError, match="FAIRSEQ_EXT_STEP_CAPTURE='jit': use one of aot, trace, eager"):
+        aot_step.mode()
