@@ -416,8 +416,8 @@ _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # decoder ->
 
 def step_graph(decoder) -> "Step":
     """The static step of ``decoder`` (its captured graph and output projection), made once per decoder and kept
-    while the decoder lives; made again when what it copied changes (:func:`_weights_key`). Its graph becomes the
-    compiled one once that is ready (:meth:`Step.refresh`)."""
+    while the decoder lives; made again when what it copied changes (:func:`_weights_key`). It takes the compiled
+    graph once that is ready (:meth:`Step.refresh`)."""
     key = _weights_key(decoder)
     cached = _GRAPHS.get(decoder)
     if cached is not None and cached[0] == key:
@@ -555,7 +555,6 @@ class StaticState:
             raise ValueError(f"static step: {rows} rows for {N0} sources (a whole number of rows per source)")
         self.rows_per_source = rows // N0
         self.k = self.v = self._spare_k = self._spare_v = None
-        self._window = None  # (T, k, k[..., :T], v[..., :T]) of the caches now
         self.length = 0
         self._zeros(rows, LENGTH_BUCKET, enc)
 
@@ -591,13 +590,6 @@ class StaticState:
             v[:, :, :, : self.length] = self.v[:, :, :, : self.length]
         self.k, self.v = k, v
         self._spare_k = self._spare_v = None
-
-    def window(self, T: int):
-        """The caches' first T positions (views, kept until the caches change)."""
-        w = self._window
-        if w is None or w[0] != T or w[1] is not self.k:
-            w = self._window = (T, self.k, self.k[:, :, :, :T], self.v[:, :, :, :T])
-        return w[2], w[3]
 
     @property
     def capacity(self) -> int:
@@ -650,11 +642,9 @@ def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, te
     first..first+K-1 (``tokens`` [N, K])."""
     N, K = tokens.shape
     end = first + K
-    state.reserve(end)
-    T = -(-end // LENGTH_BUCKET) * LENGTH_BUCKET
-    k, v = state.window(T)
-    x, attn = step.graph_for(N).forward(tokens.contiguous(), torch.arange(first, end), k, v, state.src_k, state.src_v,
-                                 state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
+    state.reserve(end)  # the caches are read whole: their length is the bucket of ``end``
+    x, attn = step.graph_for(N).forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k,
+                                        state.src_v, state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:
