@@ -1,6 +1,7 @@
 """Per-row work of the SAT beam step: what one step of the group beam search spends on each distribution row
 besides the decoder, with ``topk`` and with ``fairseq_ext.sat.generator``'s ``top_b``, and with a full NaN pass and
-with the generator's check on the selected values only.
+with the generator's check on the selected values only; and the K = 1 beam's top 2B + 1 over a sentence's B x V
+scores, with ``topk`` and with ``fairseq_ext.sat.step_rules``' ``chunked_topk``.
 
     python -m benchmarks.speed.beam_rows [--vocab 8000] [--beam 4] [--rows 4 16 24] [--threads 1]
 
@@ -17,6 +18,7 @@ import time
 import torch
 
 from fairseq_ext.sat.generator import top_b
+from fairseq_ext.sat.step_rules import FLAT_CHUNKS_MIN, TOP_K_CHUNK, chunked_topk
 
 
 def best_us(fn, n: int) -> float:
@@ -57,6 +59,19 @@ def main(argv=None):
             t_fill = best_us(lambda: lprobs.masked_fill_(lprobs.isnan(), -math.inf), a.iters)
             t_check = best_us(lambda: bool(vals.isnan().any()) or bool(eos.isnan().any()), a.iters)
             print(f"{R:>5} {t_topk:>9.1f} {t_top_b:>9.1f} {t_topk / t_top_b:>5.2f}x {t_fill:>14.1f} {t_check:>18.1f}")
+        k = 2 * a.beam + 1
+        print(f"K = 1 beam: top {k} of a sentence's P x {a.vocab} scores (chunked from {FLAT_CHUNKS_MIN} chunks of "
+              f"{TOP_K_CHUNK})")
+        print(f"{'P':>5} {'topk us':>9} {'chunked us':>11} {'x':>6}")
+        for P in sorted({1, a.beam}):
+            flat = torch.log_softmax(torch.randn(P, a.vocab, generator=g) * 3, dim=-1).view(1, -1)
+            if flat.size(1) // TOP_K_CHUNK < k:
+                continue
+            if not torch.equal(chunked_topk(flat, k)[0], flat.topk(k, dim=1).values):
+                raise SystemExit(f"chunked_topk and topk disagree for P = {P}")  # pragma: no cover
+            t_topk = best_us(lambda: flat.topk(k, dim=1), a.iters)
+            t_chunked = best_us(lambda: chunked_topk(flat, k), a.iters)
+            print(f"{P:>5} {t_topk:>9.1f} {t_chunked:>11.1f} {t_topk / t_chunked:>5.2f}x")
 
 
 if __name__ == "__main__":

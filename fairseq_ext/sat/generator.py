@@ -55,34 +55,19 @@ from fairseq_ext.sat.group_step import GroupStep
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
 logger = logging.getLogger(__name__)
 
-TOP_B_CHUNK = 64  # words per chunk of top_b: the fastest of 32 / 64 / 128 on an 8,000-word row
 TOP_B_MIN_ROWS = 8  # fewer rows: topk itself is faster (python -m benchmarks.speed.beam_rows --rows 1 4 8 16)
 
 
-def top_b(lprobs: Tensor, B: int, chunk: int = TOP_B_CHUNK):
-    """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through chunk maxima,
-    faster than ``topk`` for 16-24 rows of 8,000 words (``python -m benchmarks.speed.beam_rows`` times both). The row
-    is cut into chunks of ``chunk`` words; the B best words lie in the B chunks with the largest maxima (a word in
-    another chunk has B chunk maxima, B distinct words, at least as large), so one top-B over the chunk maxima and
-    one over the B chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-B over the row;
-    indices equal too but among equal values. NaN ranks first, as in ``topk`` (a chunk with a NaN has a NaN
-    maximum). Rows shorter than 16 chunks, and calls of fewer than :data:`TOP_B_MIN_ROWS` rows, use ``topk``."""
+def top_b(lprobs: Tensor, B: int, chunk: int = step_rules.TOP_K_CHUNK):
+    """``lprobs.topk(B, dim=-1)`` ([..., V] -> values and indices [..., B], best first) through
+    :func:`~fairseq_ext.sat.step_rules.chunked_topk` on each row: faster than ``topk`` for 16-24 rows of 8,000
+    words (``python -m benchmarks.speed.beam_rows`` times both); the same values, the same indices but among equal
+    values. Rows shorter than 16 chunks, and calls of fewer than :data:`TOP_B_MIN_ROWS` rows, use ``topk``."""
     V = lprobs.size(-1)
-    n = V // chunk
-    if n < max(16, B) or lprobs.numel() < TOP_B_MIN_ROWS * V:
+    if V // chunk < max(16, B) or lprobs.numel() < TOP_B_MIN_ROWS * V:
         return lprobs.topk(B, dim=-1)
-    shape = lprobs.shape[:-1]
-    rows = lprobs.reshape(-1, V)
-    chunks = rows[:, : n * chunk].view(rows.size(0), n, chunk)
-    best_chunks = chunks.amax(dim=2).topk(B, dim=1).indices  # [R, B]
-    cand = chunks.gather(1, best_chunks.unsqueeze(2).expand(-1, -1, chunk)).reshape(rows.size(0), B * chunk)
-    cand_index = (best_chunks.unsqueeze(2) * chunk + torch.arange(chunk, device=rows.device)).view(-1, B * chunk)
-    if n * chunk < V:  # the tail words are candidates too
-        cand = torch.cat([cand, rows[:, n * chunk:]], 1)
-        tail = torch.arange(n * chunk, V, device=rows.device).expand(rows.size(0), -1)
-        cand_index = torch.cat([cand_index, tail], 1)
-    vals, i = cand.topk(B, dim=1)
-    return vals.view(*shape, B), cand_index.gather(1, i).view(*shape, B)
+    vals, idx = step_rules.chunked_topk(lprobs.reshape(-1, V), B, chunk)
+    return vals.view(*lprobs.shape[:-1], B), idx.view(*lprobs.shape[:-1], B)
 
 
 class SATEnsembleModel(EnsembleModelWithAlignment):

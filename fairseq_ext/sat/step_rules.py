@@ -118,16 +118,49 @@ def _greedy_step(logits: Tensor, bias: Tensor, eos: int, tokens: Tensor, cum: Te
     return lprobs, status
 
 
+TOP_K_CHUNK = 64  # words per chunk of chunked_topk: the fastest of 32 / 64 / 128 on an 8,000-word row
+# The beam's top 2B over a sentence's P x V scores goes through chunked_topk from this many chunks on (beam 4 over
+# 8,000 words: 500 chunks, ~1.6x faster than topk; the first step's single row of 8,000: topk is faster).
+# python -m benchmarks.speed.beam_rows times both.
+FLAT_CHUNKS_MIN = 256
+
+
+def chunked_topk(rows: Tensor, k: int, chunk: int = TOP_K_CHUNK) -> Tuple[Tensor, Tensor]:
+    """``rows.topk(k, dim=1)`` ([R, V] -> values and indices [R, k], best first) through chunk maxima. Each row is
+    cut into chunks of ``chunk`` words; its k best words lie in the k chunks with the largest maxima (a word in
+    another chunk has k chunk maxima, k distinct words, at least as large), so one top-k over the chunk maxima and
+    one over the k chosen chunks (and the V mod ``chunk`` tail words) give the same values as a top-k over the
+    row; indices equal too but among equal values. NaN ranks first, as in ``topk`` (a chunk with a NaN has a NaN
+    maximum). Needs at least k chunks."""
+    R, V = rows.size(0), rows.size(1)
+    n = V // chunk
+    chunks = rows[:, : n * chunk].view(R, n, chunk)
+    best_chunks = chunks.amax(dim=2).topk(k, dim=1).indices  # [R, k]
+    cand = chunks.gather(1, best_chunks.unsqueeze(2).expand(-1, -1, chunk)).reshape(R, k * chunk)
+    cand_index = (best_chunks.unsqueeze(2) * chunk + torch.arange(chunk, device=rows.device)).view(R, k * chunk)
+    if n * chunk < V:  # the tail words are candidates too
+        cand = torch.cat([cand, rows[:, n * chunk:]], 1)
+        tail = torch.arange(n * chunk, V, device=rows.device).expand(R, V - n * chunk)
+        cand_index = torch.cat([cand_index, tail], 1)
+    vals, i = cand.topk(k, dim=1)
+    return vals, cand_index.gather(1, i)
+
+
 def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: int, eos: int,
                     margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fairseq's ``search.BeamSearch.step`` on log-probabilities [n * P, 1, V] of n sentences with P hypotheses each
     scoring ``scores`` [n * P]: the top k (2B) of hypothesis score plus word log-probability over P x V per
-    sentence, their parents and words, which are EOS with a finite score, and whether a sentence has a near-tie
-    (:func:`_near_ties`; never with ``margin`` 0). Returns (cand_sc, parents, words, finite_eos, near), each
-    [n, k] but near [n]."""
+    sentence (:func:`chunked_topk` for long rows: the values of ``topk``, its indices but among equal values, which
+    the near-tie check sees), their parents and words, which are EOS with a finite score, and whether a sentence
+    has a near-tie (:func:`_near_ties`; never with ``margin`` 0). Returns (cand_sc, parents, words, finite_eos,
+    near), each [n, k] but near [n]."""
     V = lprobs.size(-1)
     flat = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V)
-    values, cand_i = flat.topk(k + 1 if margin > 0.0 else k, dim=1)  # the (k + 1)-th for the near-ties only
+    kk = k + 1 if margin > 0.0 else k  # the (k + 1)-th for the near-ties only
+    if flat.size(1) >= FLAT_CHUNKS_MIN * TOP_K_CHUNK:
+        values, cand_i = chunked_topk(flat, kk)
+    else:
+        values, cand_i = flat.topk(kk, dim=1)
     cand_sc, cand_i = values[:, :k].contiguous(), cand_i[:, :k].contiguous()
     parents = torch.div(cand_i, V, rounding_mode="floor")
     words = cand_i - parents * V

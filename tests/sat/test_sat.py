@@ -522,6 +522,34 @@ def test_top_b_equals_topk():
             assert vals[1, 1, 0].isnan() and int(idx[1, 1, 0]) == V // 2
 
 
+def test_beam_candidates_of_long_rows_equal_topks(monkeypatch):
+    """The K = 1 beam's top 2B + 1 over a sentence's P x V scores goes through chunked_topk for long rows: the same
+    candidates as ``topk`` over the flat scores (values; parents and words where no two values tie), with a tail
+    shorter than a chunk, the best words in the tail, a NaN first; scripted and as Python alike."""
+    from fairseq_ext.sat import step_rules
+
+    calls = []
+    chunked = step_rules.chunked_topk
+    monkeypatch.setattr(step_rules, "chunked_topk", lambda *a: calls.append(1) or chunked(*a))
+    g = torch.Generator().manual_seed(0)
+    n, P, B, V, eos = 3, 4, 4, 8003, 2
+    k = 2 * B
+    lprobs = torch.log_softmax(torch.randn(n * P, 1, V, generator=g) * 3, dim=-1)
+    lprobs[4:8, 0, : V - 2] = -math.inf  # sentence 1: its best words in the tail
+    lprobs[9, 0, 100] = float("nan")
+    scores = torch.randn(n * P, generator=g)
+    flat = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V)
+    ref_vals, ref_i = flat.topk(k + 1, dim=1)
+    cand_sc, parents, words, finite_eos, near = step_rules._top_candidates(lprobs, scores, n, P, k, B, eos, 2e-5)
+    assert calls, "a beam of 4 over 8,003 words takes the chunked top-k"
+    assert torch.equal(cand_sc[[0, 1]], ref_vals[[0, 1], :k]) and cand_sc[2, 0].isnan()
+    assert torch.equal(cand_sc[0], ref_vals[0, :k]) and torch.equal(parents[0] * V + words[0], ref_i[0, :k])
+    assert torch.equal(flat.gather(1, parents * V + words)[:2], cand_sc[:2])
+    args = (lprobs[:8], torch.zeros(1, V), scores[:8], 2, P, k, B, eos, 2e-5)  # the sentences without a NaN
+    script, python = step_rules.scripted()[1](*args), step_rules._beam_candidates(*args)
+    assert all(torch.equal(a, b) for a, b in zip(script, python))
+
+
 @pytest.mark.parametrize("where", ["words", "eos"])
 @pytest.mark.parametrize("K,beam", [(1, 1), (1, 3), (2, 1), (2, 3), (3, 2)])
 def test_nan_log_probabilities_count_as_minus_infinity(K, beam, where, monkeypatch):
