@@ -29,19 +29,22 @@ fastest in (:func:`_layout`).
 
 Capture: ``torch.jit.trace`` at once (tens of milliseconds), then, where a C++ compiler is there, the same module
 exported by ``torch.export`` and compiled by AOTInductor in a background process, cached on disk: every search that
-starts once the package is written runs its calls of up to :data:`AOT_MAX_ROWS` rows on it, in this process and in
-every later run (:mod:`fairseq_ext.inference.aot_step`; ``FAIRSEQ_EXT_STEP_CAPTURE=trace`` keeps the trace). Calls
-of more rows stay traced: there the compiled graph's attention was several times slower per call. ``python -m
-benchmarks.speed.decode --capture`` times the ways PyTorch offers on the release transformer at 1, 4 and 16 rows:
-the module eagerly, traced, AOTInductor and ``torch.compile`` (inductor, dynamic shapes; its guards run in Python at
-every call). PyTorch 2.13 marks TorchScript deprecated: where ``torch.jit.trace`` is gone or fails, the same module
-runs eagerly (one log line; the same numbers, slower).
+starts once the package is written runs its calls of up to :data:`AOT_MAX_POSITIONS` new positions (rows x K) on
+it, in this process and in every later run (:mod:`fairseq_ext.inference.aot_step`; ``FAIRSEQ_EXT_STEP_CAPTURE=trace``
+keeps the trace). The compiled module computes attention in explicit operations, which inductor fuses, where the
+trace calls PyTorch's fused attention kernel (:meth:`StepGraph._attend`). Larger calls stay traced: there the
+compiled graph was slower per call. ``python -m benchmarks.speed.decode --capture`` times the ways PyTorch offers on
+the release transformer at 1, 4, 16 and 64 rows: the module eagerly, traced, AOTInductor with either attention and
+``torch.compile`` (inductor, dynamic shapes; its guards run in Python at every call). PyTorch 2.13 marks TorchScript
+deprecated: where ``torch.jit.trace`` is gone or fails, the same module runs eagerly (one log line; the same
+numbers, slower).
 
 Numbers: the same float32 products as fairseq's layers in another order (differences ~1e-6), so a search on it
 returns fairseq's hypotheses except at near-ties; ``tests/inference/test_static_step.py`` checks incremental ==
 full pass within 1e-5, reorders with permutations, and the hypotheses on the Acts test against fairseq's generator.
 """
 
+import copy
 import logging
 import warnings
 import weakref
@@ -219,6 +222,8 @@ class StepGraph(torch.nn.Module):
     Its class methods say what :class:`StaticState` and the weights key need of a decoder; a decoder with another
     layer computation names a subclass that overrides them (:func:`graph_class`)."""
 
+    explicit_attention = False  # True in the module AOTInductor compiles (:meth:`_attend`)
+
     @classmethod
     def refusal(cls, decoder) -> Optional[str]:
         """Why this graph does not compute ``decoder``'s step exactly (one line), or None."""
@@ -374,7 +379,7 @@ class StepGraph(torch.nn.Module):
             k_cache[i].index_copy_(2, idx, k.reshape(N, K, H, d).transpose(1, 2))
             v_cache[i].index_copy_(2, idx, v.reshape(N, K, H, d).transpose(1, 2))
             q = q.reshape(N, K, H, d).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=self_bias, scale=p["s_scale"])
+            a = self._attend(q, k_cache[i], v_cache[i], self_bias, p["s_scale"])
             x = x + linear(a.transpose(1, 2).reshape(N * K, C), p["so"])
             if not p["nb"]:
                 x = self._ln(x, p["ln1"])
@@ -387,12 +392,12 @@ class StepGraph(torch.nn.Module):
                 a = torch.matmul(w, src_v[i])
                 attn = w.mean(dim=1).reshape(N, K, -1)
             else:
-                a = F.scaled_dot_product_attention(q, src_k[i], src_v[i], attn_mask=src_bias, scale=p["c_scale"])
+                a = self._attend(q, src_k[i], src_v[i], src_bias, p["c_scale"])
             a = linear(a.transpose(1, 2).reshape(N * K, C), p["co"])
             if p["ctx"] is not None:  # a second memory, fused with the gate or summed (msc_transformer's C^n)
                 c = p["ctx"]
                 qc = linear(h, c["q"]).reshape(B, P * K, H, d).transpose(1, 2)
-                ac = F.scaled_dot_product_attention(qc, ctx_k[i], ctx_v[i], attn_mask=ctx_bias, scale=c["scale"])
+                ac = self._attend(qc, ctx_k[i], ctx_v[i], ctx_bias, c["scale"])
                 ac = linear(ac.transpose(1, 2).reshape(N * K, C), c["o"])
                 a = a + ac if p["gate"] is None else p["gate"](a, ac)
             x = x + a
@@ -400,6 +405,15 @@ class StepGraph(torch.nn.Module):
                 x = self._ln(x, p["ln2"])
             x = self._ffn(x, p)
         return self._final(x), attn
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+        """softmax(q k^T * scale + bias) v: PyTorch's fused attention where the graph is traced; its three
+        operations where AOTInductor compiles it (``explicit_attention``), which fuses the scaling, bias and softmax
+        into one loop around two batched products, where the fused kernel's setup costs more than the arithmetic
+        of a few rows (``python -m benchmarks.speed.decode --capture`` times both)."""
+        if not self.explicit_attention:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        return torch.matmul(torch.softmax(torch.matmul(q * scale, k.transpose(-1, -2)) + bias, dim=-1), v)
 
     def _ffn(self, x: Tensor, p) -> Tensor:
         """A layer's feed-forward block with its residual and layer norm (``fc1``, ``fc2``, ``ln3`` of ``p``)."""
@@ -427,13 +441,22 @@ def step_graph(decoder) -> "Step":
     step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
     # compiled ahead of time where it can be (module docstring); the example has distinct sizes for rows, sources,
     # memory and cache lengths, none of them 1: torch.export keeps each dynamic and apart
-    step.compiled = aot_step.start(module, example_inputs(module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET))
+    step.compiled = aot_step.start(aot_module(module), example_inputs(module, decoder, N=6, B=3, S=7,
+                                                                      T=3 * LENGTH_BUCKET))
     step.refresh()
     _GRAPHS[decoder] = (key, step)
     return step
 
 
-AOT_MAX_ROWS = 4  # rows a call up to which the compiled graph runs; beyond, the traced one (module docstring)
+def aot_module(module: StepGraph, explicit_attention: bool = True) -> StepGraph:
+    """The module AOTInductor compiles: ``module``'s weights, its attention in explicit operations
+    (:meth:`StepGraph._attend`)."""
+    compiled = copy.copy(module)
+    compiled.explicit_attention = explicit_attention
+    return compiled
+
+
+AOT_MAX_POSITIONS = 16  # new positions a call (rows x K) up to which the compiled graph runs (module docstring)
 
 
 class Step:
@@ -452,11 +475,11 @@ class Step:
             if ready is not None or c.failed:
                 self.compiled = ready
 
-    def graph_for(self, rows: int):
-        """The graph a call of ``rows`` rows runs on: the compiled one up to :data:`AOT_MAX_ROWS` rows, where it is
-        the faster, else the traced one."""
+    def graph_for(self, positions: int):
+        """The graph a call of ``positions`` new positions (rows x K) runs on: the compiled one up to
+        :data:`AOT_MAX_POSITIONS`, where it is the faster, else the traced one."""
         c = self.compiled
-        return c if rows <= AOT_MAX_ROWS and isinstance(c, aot_step.AOTGraph) else self.graph
+        return c if positions <= AOT_MAX_POSITIONS and isinstance(c, aot_step.AOTGraph) else self.graph
 
     @property
     def capture(self) -> str:
@@ -643,8 +666,9 @@ def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, te
     N, K = tokens.shape
     end = first + K
     state.reserve(end)  # the caches are read whole: their length is the bucket of ``end``
-    x, attn = step.graph_for(N).forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k,
-                                        state.src_v, state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
+    graph = step.graph_for(N * K)
+    x, attn = graph.forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k,
+                            state.src_v, state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
     state.length = end
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:

@@ -130,7 +130,7 @@ def test_key_holds_the_cpu_capability(compiled, monkeypatch):
 
 def test_damaged_package_is_removed_and_a_failed_compile_is_not_retried(aot_env, monkeypatch, caplog):
     m = transformer(seed=7)
-    module = ss.StepGraph(m.decoder).eval()  # as step_graph makes it
+    module = ss.aot_module(ss.StepGraph(m.decoder).eval())  # as step_graph makes it
     example = ss.example_inputs(module, m.decoder, N=6, B=3, S=7, T=3 * ss.LENGTH_BUCKET)
     key = os.path.join(aot_env, "static_step", aot_step.package_key(module, example))
     os.makedirs(os.path.dirname(key), mode=0o700, exist_ok=True)
@@ -158,3 +158,31 @@ def test_capture_modes_and_a_bad_one(monkeypatch):
     monkeypatch.setenv(aot_step.CAPTURE, "jit")
     with pytest.raises(FairseqExtError, match="FAIRSEQ_EXT_STEP_CAPTURE='jit': use one of aot, trace, eager"):
         aot_step.mode()
+
+
+@slow
+def test_calls_of_few_positions_take_the_compiled_graph(compiled):
+    step = ss.step_graph(compiled["transformer"].decoder)
+    assert step.graph_for(ss.AOT_MAX_POSITIONS) is step.compiled
+    assert step.graph_for(ss.AOT_MAX_POSITIONS + 1) is step.graph
+
+
+def test_the_compiled_modules_explicit_attention_equals_the_fused_kernel():
+    """The module AOTInductor compiles (aot_module) computes attention in three operations, the traced one calls
+    PyTorch's fused kernel: the same step (1e-5) with masked cache positions and a padded source; the decoder's own
+    module is left as it was."""
+    m = transformer(seed=3)
+    module = ss.StepGraph(m.decoder).eval()
+    explicit = ss.aot_module(module)
+    assert explicit.explicit_attention and not module.explicit_attention and explicit.layers is module.layers
+    g = torch.Generator().manual_seed(1)
+    example = [t.clone() for t in ss.example_inputs(module, m.decoder, N=6, B=3, S=7, T=ss.LENGTH_BUCKET)]
+    for i in (2, 3, 4, 5):
+        example[i] = torch.randn(example[i].shape, generator=g)
+    example[6][1, ..., 5:] = float("-inf")  # source 1 is padded
+    example[1] = torch.tensor([9])
+    with torch.no_grad():
+        fused = module(*[t.clone() for t in example])
+        ours = explicit(*[t.clone() for t in example])
+    assert_close(ours[0], fused[0], atol=1e-5)
+    assert_close(ours[1], fused[1], atol=1e-5)
