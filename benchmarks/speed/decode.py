@@ -265,9 +265,9 @@ def capture_part(args, data):
     ways = {"eager": (ss.Step(module, output), 0.0)}
     t0 = time.perf_counter()
     ways["torch.jit.trace"] = (ss.Step(ss.capture(module, model.decoder), output), time.perf_counter() - t0)
+    example = ss.example_inputs(module, model.decoder, N=6, B=3, S=7, T=96)
     for name, explicit in (("AOTI fused attn", False), ("AOTInductor", True)):  # the second is the package's
         t0 = time.perf_counter()
-        example = ss.example_inputs(module, model.decoder, N=6, B=3, S=7, T=96)
         compiled = aot_step.start(ss.aot_module(module, explicit), example)
         if isinstance(compiled, aot_step.Pending):
             compiled = compiled.wait()

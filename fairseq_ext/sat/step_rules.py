@@ -120,8 +120,8 @@ def _greedy_step(logits: Tensor, bias: Tensor, eos: int, tokens: Tensor, cum: Te
 
 TOP_K_CHUNK = 64  # words per chunk of chunked_topk: the fastest of 32 / 64 / 128 on an 8,000-word row
 # The beam's top 2B over a sentence's P x V scores goes through chunked_topk from this many chunks on (beam 4 over
-# 8,000 words: 500 chunks, ~1.6x faster than topk; the first step's single row of 8,000: topk is faster).
-# python -m benchmarks.speed.beam_rows times both.
+# 8,000 words: 500 chunks, faster than topk; the first step's single row of 8,000: topk is faster), and never with
+# fewer chunks than candidates. python -m benchmarks.speed.beam_rows times both.
 FLAT_CHUNKS_MIN = 256
 
 
@@ -157,7 +157,7 @@ def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: i
     V = lprobs.size(-1)
     flat = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V)
     kk = k + 1 if margin > 0.0 else k  # the (k + 1)-th for the near-ties only
-    if flat.size(1) >= FLAT_CHUNKS_MIN * TOP_K_CHUNK:
+    if flat.size(1) // TOP_K_CHUNK >= max(FLAT_CHUNKS_MIN, kk):
         values, cand_i = chunked_topk(flat, kk)
     else:
         values, cand_i = flat.topk(kk, dim=1)

@@ -548,6 +548,10 @@ def test_beam_candidates_of_long_rows_equal_topks(monkeypatch):
     args = (lprobs[:8], torch.zeros(1, V), scores[:8], 2, P, k, B, eos, 2e-5)  # the sentences without a NaN
     script, python = step_rules.scripted()[1](*args), step_rules._beam_candidates(*args)
     assert all(torch.equal(a, b) for a, b in zip(script, python))
+    # a beam wider than the chunks of its first row (200 beams, 2 x 200 + 1 candidates, 256 chunks): topk
+    wide = torch.log_softmax(torch.randn(1, 1, 256 * 64, generator=g), dim=-1)
+    cand_sc, *_ = step_rules._top_candidates(wide, torch.zeros(1), 1, 1, 400, 200, eos, 2e-5)
+    assert torch.equal(cand_sc, wide.view(1, -1).topk(400, dim=1).values)
 
 
 @pytest.mark.parametrize("where", ["words", "eos"])
