@@ -146,8 +146,9 @@ def chunked_topk(rows: Tensor, k: int, chunk: int = TOP_K_CHUNK) -> Tuple[Tensor
     return vals, cand_index.gather(1, i)
 
 
-def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: int, eos: int,
-                    margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: int, eos: int, margin: float,
+                    chunk: int = TOP_K_CHUNK, chunks_min: int = FLAT_CHUNKS_MIN
+                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """fairseq's ``search.BeamSearch.step`` on log-probabilities [n * P, 1, V] of n sentences with P hypotheses each
     scoring ``scores`` [n * P]: the top k (2B) of hypothesis score plus word log-probability over P x V per
     sentence (:func:`chunked_topk` for long rows: the values of ``topk``, its indices but among equal values, which
@@ -157,8 +158,8 @@ def _top_candidates(lprobs: Tensor, scores: Tensor, n: int, P: int, k: int, B: i
     V = lprobs.size(-1)
     flat = (lprobs.view(n, P, V) + scores.view(n, P, 1)).view(n, P * V)
     kk = k + 1 if margin > 0.0 else k  # the (k + 1)-th for the near-ties only
-    if flat.size(1) // TOP_K_CHUNK >= max(FLAT_CHUNKS_MIN, kk):
-        values, cand_i = chunked_topk(flat, kk)
+    if flat.size(1) // chunk >= max(chunks_min, kk):  # (TorchScript reads module constants as default arguments)
+        values, cand_i = chunked_topk(flat, kk, chunk)
     else:
         values, cand_i = flat.topk(kk, dim=1)
     cand_sc, cand_i = values[:, :k].contiguous(), cand_i[:, :k].contiguous()

@@ -528,6 +528,9 @@ def test_beam_candidates_of_long_rows_equal_topks(monkeypatch):
     shorter than a chunk, the best words in the tail, a NaN first; scripted and as Python alike."""
     from fairseq_ext.sat import step_rules
 
+    # this torch scripts every rule (a function TorchScript refuses falls back to Python with one log line only)
+    rules = step_rules.scripted()
+    assert all(isinstance(f, torch.jit.ScriptFunction) for f in rules)
     calls = []
     chunked = step_rules.chunked_topk
     monkeypatch.setattr(step_rules, "chunked_topk", lambda *a: calls.append(1) or chunked(*a))
@@ -546,7 +549,7 @@ def test_beam_candidates_of_long_rows_equal_topks(monkeypatch):
     assert torch.equal(cand_sc[0], ref_vals[0, :k]) and torch.equal(parents[0] * V + words[0], ref_i[0, :k])
     assert torch.equal(flat.gather(1, parents * V + words)[:2], cand_sc[:2])
     args = (lprobs[:8], torch.zeros(1, V), scores[:8], 2, P, k, B, eos, 2e-5)  # the sentences without a NaN
-    script, python = step_rules.scripted()[1](*args), step_rules._beam_candidates(*args)
+    script, python = rules[1](*args), step_rules._beam_candidates(*args)
     assert all(torch.equal(a, b) for a, b in zip(script, python))
     # a beam wider than the chunks of its first row (200 beams, 2 x 200 + 1 candidates, 256 chunks): topk
     wide = torch.log_softmax(torch.randn(1, 1, 256 * 64, generator=g), dim=-1)
