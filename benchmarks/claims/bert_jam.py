@@ -18,9 +18,10 @@ phase 1 (lr 0.003) and phase 2 (lr 0.001) on the feature cache of all e5 layers 
 (e5 fine-tuned, lr 0.0003) against the control: phase 2 continued for the same updates at the same learning rate.
 Every training runs a fixed number of updates (no early stopping; the report marks curves still falling) and is
 evaluated as the mean of its last 3 interval checkpoints; each phase starts from the previous one's mean with
-``--finetune-from-model`` (a new warm-up), as recipes/bert_jam/ding_de_en.sh. At every size two controls of phase 1:
-e5's features set to zero (the joint attention without e5's information, by valid loss) and fairseq's standard
-decoder on the same joint encoder (``--bert-jam-decoder standard``: what the paper's Eq. 10 decoder costs or buys).
+``--finetune-from-model`` (a new warm-up), as recipes/bert_jam/ding_de_en.sh. At every size three controls of phase 1:
+e5's features set to zero (the joint attention without e5's information, by valid loss), fairseq's standard
+decoder on the same joint encoder (``--bert-jam-decoder standard``: what the paper's Eq. 10 decoder costs or buys)
+and e5's middle layer read instead of its last (``--bert-jam-init-layer``: the layer choice).
 Test BLEU is decoded once per model.
 """
 
@@ -297,6 +298,16 @@ class BertJam:
                                    what=f"{n} verses, phase 1 with fairseq's standard decoder")))
         return name
 
+    def layer_job(self, n, dropout):
+        """Phase 1 reading e5's middle layer instead of its last (Eq. 11 at layer L // 2,
+        ``--bert-jam-init-layer``): the layer choice, at the same updates and settings."""
+        layer = max(1, (self.S.result("bj-e5").get("layers") or 2) // 2)
+        name = f"bj-{n}-p1-layer{layer}"
+        argv = self.bj_argv(n, 1, self.a.bj_max_update, dropout) + ["--bert-jam-init-layer", str(layer)]
+        self.S.add(timed(train_job(name, self.S, self.bin(n), argv, [f"bj-{n}-bert-input", f"bj-{n}-p1-d{dropout}"],
+                                   {}, what=f"{n} verses, phase 1 reading e5's layer {layer}, not its last")))
+        return name
+
     def zeros_job(self, n, dropout):
         """Phase 1 again with every cached e5 feature replaced by zero: what the joint attention gives without
         e5's information, at the same updates and settings. Validation reads the cache; generation would run e5
@@ -379,8 +390,10 @@ class BertJam:
                 f"dropout {m.rsplit('-d', 1)[1]} {S.result(f'{m}-eval')['bleu_valid_beam4']:.2f}" for m in p1s[n])
                 + f" -> dropout {dropout}")
             chains[n] = self.chain(n, p1, dropout)
-            controls[n] = {"zeros": self.zeros_job(n, dropout), "std": self.standard_decoder_job(n, dropout)}
-            wanted += self.evals(n, [chains[n][k] for k in ("p2", "p3", "ctrl")] + [controls[n]["std"]])
+            controls[n] = {"zeros": self.zeros_job(n, dropout), "std": self.standard_decoder_job(n, dropout),
+                           "layer": self.layer_job(n, dropout)}
+            wanted += self.evals(n, [chains[n][k] for k in ("p2", "p3", "ctrl")] + [controls[n]["std"],
+                                                                                  controls[n]["layer"]])
             wanted.append(controls[n]["zeros"])
         S.run_all(wanted)
         return {"sizes": self.sizes, "chains": chains, "bases": bases, "p1_by_dropout": p1s, "controls": controls}
@@ -421,6 +434,10 @@ def results_by_size(S, outcome):
         std, zeros = outcome["controls"][n]["std"], outcome["controls"][n]["zeros"]
         row["std"] = {**_trained(S, std), **S.result(f"{std}-eval")}
         row["zeros"] = _trained(S, zeros)
+        layer = outcome["controls"][n].get("layer")  # absent from the results of an earlier version of the run
+        if layer:
+            row["layer"] = {**_trained(S, layer), **S.result(f"{layer}-eval"), "layer": int(layer.rsplit("layer")[1])}
+            row["layer_vs_last"] = row["layer"]["bleu_valid_beam4"] - row["bj"]["p1"]["bleu_valid_beam4"]
         chosen = row["bases"][base_test["chosen"]]
         row["base"] = {**chosen, "bleu_test_beam4": base_test["bleu_test_beam4"],
                        "bleu_test_beam4_signature": base_test.get("bleu_test_beam4_signature")}
@@ -473,14 +490,18 @@ def verdict_of(by_size):
 
 
 def _control_text(by_size, sizes):
-    """The two controls of phase 1 at every size, in two sentences."""
+    """The controls of phase 1 at every size, a sentence each."""
     zero = "; ".join(f"{n} verses: {r['zeros']['valid_loss_best']:.3f} on zeros, "
                      f"{r['bj']['p1']['valid_loss_best']:.3f} with e5, {r['base']['valid_loss_best']:.3f} for the "
                      "baseline" for n, r in ((n, by_size[n]) for n in sizes))
     std = ", ".join(f"{by_size[n]['std_vs_joint']:+.2f} at {n}" for n in sizes)
+    layer = ", ".join(f"{by_size[n]['layer_vs_last']:+.2f} at {n} (layer {by_size[n]['layer']['layer']})"
+                      for n in sizes if "layer" in by_size[n])
     return (f" Phase 1's best valid loss without e5's information (every feature set to zero) against with it and "
             f"the baseline's: {zero}. Fairseq's standard decoder on the same joint encoder, against the paper's "
-            f"joint decoder (phase 1, test BLEU): {std}.")
+            f"joint decoder (phase 1, test BLEU): {std}."
+            + (f" Phase 1 reading e5's middle layer instead of its last (valid BLEU, beam 4): {layer}." if layer
+               else ""))
 
 
 def _reason(a, by_size, sizes, missed, not_run):
@@ -508,7 +529,7 @@ def _reason(a, by_size, sizes, missed, not_run):
 
 def _size_sections(a, by_size, sizes):
     """One markdown table per training size: the baselines and phase 1 at every dropout, phases 2-3, the control
-    and the two controls of phase 1."""
+    and the controls of phase 1."""
     sections = []
     for n in sizes:
         r = by_size[n]
@@ -528,6 +549,9 @@ def _size_sections(a, by_size, sizes):
             rows.append(_row(R, label, r["bj"][key], r["dropout"]))
         rows.append(_row(R, "phase 1, fairseq's standard decoder", r["std"], r["dropout"]))
         rows.append(_row(R, "phase 1, every e5 feature set to zero", r["zeros"], r["dropout"]))
+        if "layer" in r:
+            rows.append(_row(R, f"phase 1 reading e5's layer {r['layer']['layer']}, not the last", r["layer"],
+                             r["dropout"]))
         target = f"target {TARGET[n]:+.1f}" if n in TARGET else "no target"
         sections.append(f"### {n} training verses: phase 3 {r['gap']:+.2f} test BLEU over the baseline ({target}); "
                         f"valid {r['gap_valid']:+.2f}\n\n"
@@ -566,10 +590,11 @@ phases 2-3 keep phase 1's. BERT-JAM: the same shape and schedule with joint atte
 phase 1 (e5 and GLUs frozen, lr {LRS[1]}) and phase 2 (GLUs trained, lr {LRS[2]}, warmup {WARMUPS[2]}) on the feature
 cache of every e5 layer (eval mode, computed once per size: "cache minutes"); phase 3 (e5 fine-tuned, lr {LRS[3]},
 warmup {WARMUPS[3]}, live e5) for {a.bj_p3_updates} updates against the control, phase 2 continued from the same
-checkpoint for the same updates at the same rate. At every size phase 1 is trained twice more: on a copy of the
-cache with every feature set to zero (the joint attention without e5's information, compared by best valid loss:
-generation would run e5 live), and with fairseq's standard decoder on the same joint encoder
-(`--bert-jam-decoder standard`). Each phase starts from the previous one's mean checkpoint
+checkpoint for the same updates at the same rate. At every size phase 1 is trained three times more: on a copy of
+the cache with every feature set to zero (the joint attention without e5's information, compared by best valid
+loss: generation would run e5 live), with fairseq's standard decoder on the same joint encoder
+(`--bert-jam-decoder standard`), and reading e5's middle layer instead of its last (`--bert-jam-init-layer`:
+Eq. 11 at that layer). Each phase starts from the previous one's mean checkpoint
 (`--finetune-from-model`: a new warm-up). Every training runs its fixed number of updates (baselines and phase 1
 {a.bj_max_update}, phase 2 {a.bj_p2_max_update}; no early stopping), validated every ~3 epochs; every model is the
 mean of its last 3 interval checkpoints. Two trainings side by side, one thread each, on 2 cores: minutes (of
@@ -607,7 +632,9 @@ def _record(a, verdict, reason, not_run, by_size, sizes, e5):
                                         for k, v in by_size[n]["p1_by_dropout"].items()},
                 **{k: model(v) for k, v in by_size[n]["bj"].items()},
                 "p1_standard_decoder": model(by_size[n]["std"]),
-                "p1_zero_features": model(by_size[n]["zeros"])}
+                "p1_zero_features": model(by_size[n]["zeros"]),
+                **({"p1_middle_layer": {**model(by_size[n]["layer"]), "layer": by_size[n]["layer"]["layer"]}}
+                   if "layer" in by_size[n] else {})}
                 for n in sizes},
             "e5_pieces": e5.get("pruned_vocab_size"), "command": R.command(a, "bert_jam")}
 
@@ -624,7 +651,8 @@ def report(ctx, outcome):
     reason = _reason(a, by_size, sizes, missed, not_run)
     sections = _size_sections(a, by_size, sizes)
     allres = [x for n in sizes for x in [by_size[n]["base_test"], *by_size[n]["bj"].values(), by_size[n]["std"],
-                                          *by_size[n]["bases"].values()]]
+                                          *by_size[n]["bases"].values(), *([by_size[n]["layer"]] if "layer" in
+                                                                           by_size[n] else [])]]
     e5 = S.result("bj-e5")
     prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("bj-")], "bert_jam")
     md = _markdown(a, verdict, reason, not_run, e5, sections, allres, prov_line)

@@ -6,8 +6,8 @@ Read beside Section 2 of the paper:
 * a pre-trained BERT (any BERT-architecture ``transformers.AutoModel``, loaded offline) runs *inside the
   encoder*; its L_B hidden layers B_1..B_L (the embedding output excluded) are kept in ``encoder_out`` as one
   (T_bert, B, C_bert, L_B) tensor and reordered with it, so fairseq's stock ``SequenceGenerator`` works;
-* every encoder and decoder layer has its own :class:`BertLayerComposition` (the GLU of Eq. 8, initialised by
-  Eq. 11, output doubled in phase 1 only);
+* every encoder and decoder layer has its own :class:`BertLayerComposition` (:mod:`.composition`: the GLU of
+  Eq. 8, initialised by Eq. 11, output doubled in phase 1 only);
 * :class:`JointMultiheadAttention` (Section 2.2): queries from the primary sequence R, keys/values of R and of
   the secondary sequence S projected to d_model and concatenated;
 * encoder layer (Eq. 9): joint attention over (E^i, B^{E,i}), then FFN; decoder layer (Eq. 10): the mean of
@@ -23,6 +23,7 @@ Read beside Section 2 of the paper:
 * ablations of Table 7: ``--bert-composition linear`` (M1: sum_i alpha_i B_i, no gate) and ``last`` (M2: B_L);
   and of the decoder (not in the paper): ``--bert-jam-decoder standard``, fairseq's transformer decoder on the same
   joint encoder, which separates what Eq. 10's decoder costs or buys from the encoder's joint attention.
+  ``--bert-jam-init-layer N`` (not in the paper either) starts Eq. 11 at B_N, so phase 1 reads BERT's layer N.
 
 Use with ``--task translation_bert --bert-model-name DIR`` (see :mod:`fairseq_ext.bert_jam.task`).
 """
@@ -46,13 +47,13 @@ from torch import Tensor
 
 from fairseq_ext.bert_jam.bert import (BertInputBuilder, bert_content_sha256, build_bert, check_input_settings,
                                       check_tokenizer_fits, input_settings, leave_out_frozen_bert, refill_frozen_bert)
+from fairseq_ext.bert_jam.composition import COMPOSITIONS, BertLayerComposition
 from fairseq_ext.common.building import building_from_checkpoint
 from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.common.decoder_features import decoder_output, embed_decoder_input, newest_positions
 
 logger = logging.getLogger(__name__)
 
-COMPOSITIONS = ("glu", "linear", "last")
 DECODERS = ("joint", "standard")  # --bert-jam-decoder: the paper's Eq. 10 decoder, or fairseq's (the ablation)
 
 
@@ -62,61 +63,6 @@ def Linear(in_features, out_features, bias=True, gain=1.0):
     if bias:
         nn.init.constant_(m.bias, 0.0)
     return m
-
-
-# --------------------------------------------------------------------------------------------------------
-# Eq. 8 / Eq. 11: per-layer composition of BERT's hidden layers
-# --------------------------------------------------------------------------------------------------------
-
-class BertLayerComposition(nn.Module):
-    """B = g * sum_i alpha_i B_i with g = sigmoid(sum_i beta_i B_i)  (Eq. 8), one per encoder/decoder layer.
-
-    Initialised as Eq. 11 (alpha_L = 1, other alpha = 0, beta = 0), which gives g = 1/2 and B = B_L / 2; the
-    output is multiplied by ``scale`` = 2 in phase 1 only (the paper's compensation), so phase 1 sees exactly
-    B_L. ``mode='linear'`` (ablation M1) drops the gate: B = sum_i alpha_i B_i; ``mode='last'`` (M2) is B_L
-    with no parameter."""
-
-    def __init__(self, num_bert_layers, mode="glu"):
-        super().__init__()
-        if mode not in COMPOSITIONS:
-            raise FairseqExtError(f"--bert-composition {mode}: choose one of {', '.join(COMPOSITIONS)}")
-        self.mode = mode
-        self.num_bert_layers = num_bert_layers
-        self.scale = 1.0
-        if mode in ("glu", "linear"):
-            alpha = torch.zeros(num_bert_layers)
-            alpha[-1] = 1.0  # Eq. 11
-            self.alpha = nn.Parameter(alpha)
-        if mode == "glu":
-            self.beta = nn.Parameter(torch.zeros(num_bert_layers))  # Eq. 11
-
-    def selects_last_layer(self) -> bool:
-        """True when the output is exactly B_L and cannot change while training: M2, or the composition frozen
-        at its Eq. 11 initialisation (phase 1: g = 1/2 and the x2 cancel exactly)."""
-        if self.mode == "last":
-            return True
-        if any(p.requires_grad for p in self.parameters()):
-            return False
-        at_init = torch.zeros(self.num_bert_layers)
-        at_init[-1] = 1.0
-        if not torch.equal(self.alpha.detach().cpu().float(), at_init):
-            return False
-        if self.mode == "linear":
-            return True
-        return self.scale == 2.0 and not bool(self.beta.detach().ne(0).any())
-
-    def forward(self, bert_layers: Tensor) -> Tensor:
-        """bert_layers: (T, B, C, L) -> (T, B, C); a (T, B, C) input is B_L alone, given when every composition
-        of the model selects it (:meth:`selects_last_layer`), and is returned as it is."""
-        if bert_layers.dim() == 3:
-            return bert_layers
-        if self.mode == "last":
-            return bert_layers[..., -1]
-        if self.mode == "linear":
-            return torch.matmul(bert_layers, self.alpha.to(bert_layers))
-        ab = torch.matmul(bert_layers, torch.stack([self.alpha, self.beta], dim=1).to(bert_layers))  # (T,B,C,2)
-        B = ab[..., 0] * torch.sigmoid(ab[..., 1])
-        return B * self.scale if self.scale != 1.0 else B
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -557,6 +503,9 @@ class BertJamModel(TransformerModel):
                                  "history] and over the composed BERT layers (Eq. 10); standard: fairseq's "
                                  "transformer decoder layers (self-attention, then attention over the joint "
                                  "encoder's output), the ablation that isolates the decoder")
+        parser.add_argument("--bert-jam-init-layer", type=int, metavar="N",
+                            help="the BERT layer Eq. 11 initialises every composition to, so the one phase 1 reads "
+                                 "(1..L; default L, the paper's): the layer-choice control")
         parser.add_argument("--bert-dropnet", type=float, metavar="P",
                             help="drop-net of the official code in the decoder while training: with "
                                  "probability P each branch alone (0 = Eq. 10's mean always; at most 0.5)")
@@ -611,6 +560,11 @@ class BertJamModel(TransformerModel):
             decoder = BertJamDecoder(args, cfg, tgt_dict, decoder_embed, encoder._bert_dims)
         else:  # the ablation: fairseq's own decoder on the same joint encoder
             decoder = TransformerDecoderBase(cfg, tgt_dict, decoder_embed, no_encoder_attn=False)
+        if args.bert_jam_init_layer:  # Eq. 11 at another layer; a checkpoint's weights replace it when loaded
+            for module in (encoder, decoder):
+                for comp in module.modules():
+                    if isinstance(comp, BertLayerComposition):
+                        comp.start_at(args.bert_jam_init_layer)
         return cls(args, encoder, decoder)
 
     def compositions(self):
@@ -664,6 +618,7 @@ def bert_jam_base_architecture(args):
     args.bert_composition = getattr(args, "bert_composition", None) or "glu"
     args.bert_dropnet = getattr(args, "bert_dropnet", None) or 0.0
     args.bert_jam_decoder = getattr(args, "bert_jam_decoder", None) or "joint"
+    args.bert_jam_init_layer = getattr(args, "bert_jam_init_layer", None) or 0  # 0: L, the paper's Eq. 11
     transformer_base_architecture(args)
 
 

@@ -178,7 +178,8 @@ def test_convs2s_verdict_needs_every_control_beaten():
 def _bert_jam_report(tmp_path, bleus, std=None):
     """The BERT-JAM report from fabricated results: size -> (test BLEU of the two baselines by dropout, of phase 1 at
     dropout 0.1 and 0.3, phases 2, 3 and the control); valid BLEU is test + 1, so the better test is chosen; the
-    standard-decoder phase 1 scores ``std`` (default: phase 1's chosen - 0.5)."""
+    standard-decoder phase 1 scores ``std`` (default: phase 1's chosen - 0.5), phase 1 reading e5's layer 6 phase 1's
+    chosen + 0.25."""
     args, _ = claims.parse_args(["--paper", "bert_jam", "--bj-sizes", ",".join(map(str, bleus)),
                                  "--docs-dir", str(tmp_path / "docs"), "--workdir", str(tmp_path / "w")])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
@@ -189,10 +190,11 @@ def _bert_jam_report(tmp_path, bleus, std=None):
         outcome["p1_by_dropout"][n] = [f"bj-{n}-p1-d{d}" for d in p1]
         chosen_p1 = f"bj-{n}-p1-d{max(p1, key=p1.get)}"
         outcome["chains"][n] = {"p1": chosen_p1, **{k: f"bj-{n}-{k}" for k in ("p2", "p3", "ctrl")}}
-        outcome["controls"][n] = {"zeros": f"bj-{n}-p1-zeros", "std": f"bj-{n}-p1-std"}
+        outcome["controls"][n] = {"zeros": f"bj-{n}-p1-zeros", "std": f"bj-{n}-p1-std", "layer": f"bj-{n}-p1-layer6"}
         named = [*zip(outcome["bases"][n], base.values()), *zip(outcome["p1_by_dropout"][n], p1.values()),
                  *zip([f"bj-{n}-{k}" for k in ("p2", "p3", "ctrl")], phases),
-                 (f"bj-{n}-p1-std", std if std is not None else max(p1.values()) - 0.5)]
+                 (f"bj-{n}-p1-std", std if std is not None else max(p1.values()) - 0.5),
+                 (f"bj-{n}-p1-layer6", max(p1.values()) + 0.25)]
         for name, b in named:
             S.results[name] = {"updates": 500, "minutes": 5.0, "s_per_update": 0.6, "cache_minutes": 0.0,
                                "checkpoint": "x", "valid_loss_best": 8.0 - b / 10, "valid_curve": curve}
@@ -234,6 +236,11 @@ def test_bert_jam_report_gaps_and_verdict_follow_the_results(tmp_path):
     assert rec["standard_decoder_minus_joint_test"] == {"2000": -0.5, "8000": -0.5}
     assert "2000 verses: 7.125 on zeros, 7.250 with e5, 7.400 for the baseline" in rec["reason"]
     assert rec["sizes"]["2000"]["p1_zero_features"]["valid_loss_best"] == 7.125
+    # the layer choice: phase 1 reading e5's middle layer, beside the last
+    assert "| phase 1 reading e5's layer 6, not the last | 0.1 | 7.225 | 8.75 | 7.75 | 500 |" in md
+    assert "(valid BLEU, beam 4): +0.25 at 2000 (layer 6), +0.25 at 8000 (layer 6)." in rec["reason"]
+    assert rec["sizes"]["8000"]["p1_middle_layer"]["layer"] == 6
+    assert rec["sizes"]["8000"]["p1_middle_layer"]["valid_beam4"] == 8.75
     rec, _ = _bert_jam_report(tmp_path / "part", {2000: (base, p1, [8.0, 9.0, 8.5])}, std=8.0)
     assert rec["verdict"] == "partly reproduced" and rec["not_run"] == [8000]
     assert "Every size run meets its target" in rec["reason"] and "8000 verses (target +1.0)" in rec["reason"]

@@ -98,6 +98,42 @@ def test_model_phase_1_feeds_every_layer_the_last_bert_layer(tiny_bert):
     assert build(tiny_bert, phase=2, composition="last")[0].encoder.bert_last_only  # M2
 
 
+def test_eq11_at_another_layer_makes_phase_1_read_exactly_that_layer(tiny_bert):
+    torch.manual_seed(0)
+    layers = torch.randn(5, 3, 16, 4)
+    comp = BertLayerComposition(4, "glu")
+    comp.start_at(2)
+    comp.scale = 2.0
+    assert comp.alpha.tolist() == [0, 1, 0, 0] and comp.beta.tolist() == [0, 0, 0, 0]
+    assert torch.equal(comp(layers), layers[..., 1])
+    with pytest.raises(FairseqExtError, match="--bert-jam-init-layer 5: BERT has layers 1..4"):
+        comp.start_at(5)
+    with pytest.raises(FairseqExtError, match="--bert-composition glu or linear"):
+        BertLayerComposition(4, "last").start_at(1)
+    # the model: every composition of the encoder and the decoder starts at layer 1; phase 1 then needs all
+    # layers (not the B_L fast path), and its output is the default model's with B_1 put where B_L was
+    model, d = build(tiny_bert, phase=1, bert_jam_init_layer=1)
+    model.eval()
+    assert not model.encoder.bert_last_only
+    comps = model.compositions()
+    assert len(comps) == 4 and all(c.alpha.tolist() == [1.0] + [0.0] * (BERT_LAYERS - 1) for c in comps)
+    default, _ = build(tiny_bert, phase=1)
+    default.eval()
+    src, lengths, prev = batch(d)
+    bert_input = model.encoder.bert_input_builder().batch_from_source(src)
+    with torch.no_grad():
+        hidden = model.encoder.bert(input_ids=bert_input, attention_mask=bert_input.ne(0).long(),
+                                    output_hidden_states=True).hidden_states
+        first = hidden[1].unsqueeze(-1).expand(*hidden[1].shape, BERT_LAYERS).contiguous()  # B_1 in every slot
+        out = model(src, lengths, prev, bert_input=bert_input)[0]
+        default.encoder.bert_last_only = False
+        assert torch.equal(out, default(src, lengths, prev, bert_input=bert_input, bert_out=first)[0])
+        assert not torch.equal(out, default(src, lengths, prev, bert_input=bert_input)[0])
+    # a checkpoint's weights replace the start: phase 1 loaded into a default-built model reads layer 1 again
+    default.load_state_dict(model.state_dict())
+    assert not default.encoder.bert_last_only
+
+
 # ------------------------------------------------------------------------------------------------ joint attention
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -243,10 +243,11 @@ def test_build_is_atomic_and_done_once_when_two_start_at_once(letters_bin, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("decoder", ["joint", "standard"])
-def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_path, decoder):
+@pytest.mark.parametrize("decoder, init_layer", [("joint", 0), ("standard", 0), ("joint", 1)])
+def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_path, decoder, init_layer):
     """Phase 1 on the feature cache through fairseq-train, then fairseq-generate; with the paper's decoder and with
-    fairseq's (--bert-jam-decoder standard), which the checkpoint records."""
+    fairseq's (--bert-jam-decoder standard), which the checkpoint records; and reading BERT's first layer
+    (--bert-jam-init-layer 1), for which the cache holds every layer."""
     from fairseq_ext.checkpoints import load_checkpoint_file
     from tests.helpers import ROOT, hypotheses, run_cli, train_args
 
@@ -259,8 +260,9 @@ def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_
     train = run_cli("train", train_args(d, "bert_jam", model + [
         "--bert-model-name", tiny_bert, "--bert-jam-phase", "1", "--bert-feature-cache", cache,
         "--max-update", "3", "--max-epoch", "3", "--save-dir", f"{d}/ckpt", "--no-epoch-checkpoints",
-        "--optimizer", "adam", "--lr", "0.001", "--bert-jam-decoder", decoder], task="translation_bert")).stdout
-    assert "BERT feature cache: computing last layer(s)" in train
+        "--optimizer", "adam", "--lr", "0.001", "--bert-jam-decoder", decoder]
+        + (["--bert-jam-init-layer", str(init_layer)] if init_layer else []), task="translation_bert")).stdout
+    assert f"BERT feature cache: computing {'all' if init_layer else 'last'} layer(s)" in train
     assert sorted(f for f in os.listdir(cache) if not f.startswith(".")) == [
         "train.json", "train.npy", "valid.json", "valid.npy"]
     gen = run_cli("generate", [d, "--task", "translation_bert", "--user-dir", os.path.join(ROOT, "fairseq_ext"),
@@ -270,6 +272,9 @@ def test_fairseq_train_with_the_cache_then_generate(letters_bin, tiny_bert, tmp_
     assert len(hypotheses(gen)) == 20
     state = load_checkpoint_file(f"{d}/ckpt/checkpoint_last.pt")
     assert state["cfg"]["model"].bert_jam_decoder == decoder
+    assert state["cfg"]["model"].bert_jam_init_layer == init_layer
+    alpha = state["model"]["encoder.layers.0.bert_composition.alpha"].tolist()
+    assert alpha.index(1.0) == (init_layer or len(alpha)) - 1 and sum(alpha) == 1.0  # phase 1: frozen at Eq. 11
     layer_keys = [k for k in state["model"] if k.startswith("decoder.layers.0.")]
     # the paper's layer: composed BERT layers and a joint attention over them; fairseq's: self-attention
     assert any(".bert_attn." in k for k in layer_keys) == (decoder == "joint")
