@@ -55,6 +55,10 @@ from fairseq_ext.sat.group_step import GroupStep
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
 logger = logging.getLogger(__name__)
 
+# Searches of more rows a decoder call (sentences x beam) take the lean step: with that many rows the products,
+# not the Python around them, are the cost, and the static step's attention reads its cache in 32-position
+# buckets (python -m benchmarks.speed.static_rows times both steps by rows on the Acts test).
+STATIC_MAX_ROWS = 128
 TOP_B_MIN_ROWS = 8  # fewer rows: topk itself is faster (python -m benchmarks.speed.beam_rows --rows 1 4 8 16)
 
 
@@ -75,7 +79,9 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     positions of every hypothesis (one call per group): through the lean step of
     :mod:`fairseq_ext.inference.lean_decoder` when ``lean_step`` and the decoder allows it (``uses_lean_step``: the
     decoder's structure is checked once, :func:`lean_refusal`, its dtype and device on every call, and each call
-    by :func:`lean_applies`), else through the decoder's own ``forward``. The model itself is not changed."""
+    by :func:`lean_applies`), else through the decoder's own ``forward``; on the static step
+    (:mod:`fairseq_ext.inference.static_step`, ``uses_static_step``) where it applies and a search's calls have at
+    most ``static_max_rows`` rows (:data:`STATIC_MAX_ROWS`). The model itself is not changed."""
 
     def __init__(self, models, lean_step: bool = True, static_step: bool = True):
         if len(models) != 1:
@@ -90,6 +96,8 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
             if lean_step else "--no-lean-step"
         self._encoder_refusal = encoder_refusal(self.single_model.encoder) if self._static_refusal is None else \
             self._static_refusal
+        self.static_max_rows = STATIC_MAX_ROWS
+        self.search_rows = 0  # rows a call of the current search (set by its start): more than static_max_rows, lean
 
     @property
     def uses_lean_step(self) -> bool:
@@ -98,7 +106,7 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     @property
     def uses_static_step(self) -> bool:
         return self._static_refusal is None and float32_on_cpu(self.single_model.decoder) \
-            and not self.single_model.decoder.training
+            and not self.single_model.decoder.training and self.search_rows <= self.static_max_rows
 
     def forward_encoder(self, net_input):
         """fairseq's encoder call; with the static step, through the trace of fairseq's own encoder code
@@ -186,6 +194,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         bos = self.eos if bos_token is None else bos_token
         tokens[:, : K - 1] = bos if start is None else start
         tokens[:, K - 1] = bos
+        self.model.search_rows = bsz * self.beam_size  # the widest call of this search picks the step
         encoder_outs = self.model.forward_encoder(net_input)
         self._reorder_modules = None  # found again for every search (see _reorder)
         return bsz, src_len, max_len, n_steps, tokens, encoder_outs

@@ -48,3 +48,16 @@ def test_bench_decode_capture_times_the_three_ways_and_the_layouts(acts_bin, tmp
     assert "torch.jit.trace" in out and "eager" in out
     assert "torch.compile left out: RuntimeError: --no-compile" in out
     assert "output 7840x128" in out and "oneDNN us" in out
+
+
+@pytest.mark.slow
+def test_bench_static_rows_times_both_steps_with_the_same_hypotheses(acts_bin):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.static_rows", "--workdir",
+                           os.path.dirname(acts_bin), "--sentences", "8", "--batches", "1", "4", "--beams", "4",
+                           "--passes", "1"], capture_output=True, text=True, timeout=1200, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| beam 4 |")]
+    assert [(r[1], r[2]) for r in rows] == [("1", "4"), ("4", "16")]
+    assert [r[6] for r in rows] == ["8/8 |", "2/2 |"]  # identical hypotheses in every batch
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows)

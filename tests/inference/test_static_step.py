@@ -239,6 +239,32 @@ def test_sat_generator_on_the_static_step_gives_the_lean_steps_hypotheses(beam):
 
 
 
+@pytest.mark.parametrize("beam", [1, 3])
+def test_a_search_of_more_rows_than_static_max_rows_takes_the_lean_step_with_the_same_hypotheses(beam, monkeypatch):
+    """Above STATIC_MAX_ROWS rows a call (sentences x beam) a search runs on the lean step; one row fewer than the
+    search takes it off the static step, the bound itself keeps it there; the hypotheses are the same."""
+    from fairseq_ext.sat import generator as generator_module
+    lean_calls = []
+    real = generator_module.lean_step
+    monkeypatch.setattr(generator_module, "lean_step", lambda *a: lean_calls.append(1) or real(*a))
+    m = transformer()
+    src, lengths, _ = batch(bsz=5)
+    sample = sat_sample(src, lengths)
+    outs = {}
+    for bound in (5 * beam, 5 * beam - 1):
+        gen = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+        assert gen.model.static_max_rows == generator_module.STATIC_MAX_ROWS
+        gen.model.static_max_rows = bound
+        lean_calls.clear()
+        outs[bound] = gen.generate([m], sample)
+        with torch.inference_mode():
+            assert gen.model.step_name == ("static" if bound == 5 * beam else "lean")
+        assert bool(lean_calls) == (bound < 5 * beam)
+    for ha, hb in zip(outs[5 * beam], outs[5 * beam - 1]):
+        assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
+        assert_close(torch.stack([h["score"] for h in ha]), torch.stack([h["score"] for h in hb]), atol=1e-5)
+
+
 @pytest.mark.parametrize("beam", [1, 4])
 def test_scripted_rules_and_op_by_op_rules_give_the_same_hypotheses_and_can_alternate(beam, monkeypatch):
     """The static step's searches run fairseq's rules as scripted functions up to SCRIPTED_MAX_ROWS rows a step and
