@@ -91,16 +91,11 @@ def build_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=N
     why = refusal(models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
     if why is None:
         gen = _BUILDER(task, models, args)
-        stock = []  # made on first use, kept
-
-        def stock_fallback():
-            if not stock:
-                stock.append(_STOCK(task, models, args, seq_gen_cls=seq_gen_cls,
-                                    extra_gen_cls_kwargs=extra_gen_cls_kwargs,
-                                    prefix_allowed_tokens_fn=prefix_allowed_tokens_fn))
-            return stock[0]
-
-        gen.stock_fallback = stock_fallback
+        # built now, as fairseq-generate builds its generator: it keeps the dictionary's size of this moment, and
+        # fairseq-generate's post-processing (--remove-bpe) adds the words it prints to the target dictionary
+        stock = _STOCK(task, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
+                       prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
+        gen.stock_fallback = lambda: stock
         logger.info(f"fairseq_ext: decoding with the static decoder step (beam {gen.beam_size}; {OFF}=1 for "
                     f"fairseq's generator)")
         return gen
