@@ -55,9 +55,10 @@ from fairseq_ext.sat.group_step import GroupStep
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
 logger = logging.getLogger(__name__)
 
-# Searches of more rows a decoder call (sentences x beam) take the lean step: with that many rows the products,
-# not the Python around them, are the cost, and the static step's attention reads its cache in 32-position
-# buckets (python -m benchmarks.speed.static_rows times both steps by rows on the Acts test).
+# Searches of more rows a decoder call (sentences x beam) take the lean step where it applies (a decoder it refuses,
+# MSC's or BERT-JAM's, stays on the static step): with that many rows the products, not the Python around them,
+# are the cost, and the static step's attention reads its cache in 32-position buckets (python -m
+# benchmarks.speed.static_rows times both steps by rows on the Acts test).
 STATIC_MAX_ROWS = 128
 TOP_B_MIN_ROWS = 8  # fewer rows: topk itself is faster (python -m benchmarks.speed.beam_rows --rows 1 4 8 16)
 
@@ -106,7 +107,8 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
     @property
     def uses_static_step(self) -> bool:
         return self._static_refusal is None and float32_on_cpu(self.single_model.decoder) \
-            and not self.single_model.decoder.training and self.search_rows <= self.static_max_rows
+            and not self.single_model.decoder.training \
+            and (self.search_rows <= self.static_max_rows or self._lean_refusal is not None)
 
     def forward_encoder(self, net_input):
         """fairseq's encoder call; with the static step, through the trace of fairseq's own encoder code

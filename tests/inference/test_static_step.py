@@ -264,6 +264,16 @@ def test_a_search_of_more_rows_than_static_max_rows_takes_the_lean_step_with_the
     for ha, hb in zip(outs[5 * beam], outs[5 * beam - 1]):
         assert [h["tokens"].tolist() for h in ha] == [h["tokens"].tolist() for h in hb]
         assert_close(torch.stack([h["score"] for h in ha]), torch.stack([h["score"] for h in hb]), atol=1e-5)
+    # a decoder the lean step refuses (MSC's) stays on the static step at any width
+    msc, d = msc_build()
+    msc.eval()
+    src = torch.randint(d.nspecial, len(d), (5, 7), generator=torch.Generator().manual_seed(3))
+    src[:, -1] = d.eos()
+    gen = SATSequenceGenerator([msc], d, beam_size=beam, max_len_a=0, max_len_b=12)
+    gen.model.static_max_rows = 0
+    gen.generate([msc], sat_sample(src, torch.full((5,), 7)))
+    with torch.inference_mode():
+        assert gen.model.step_name == "static"
 
 
 @pytest.mark.parametrize("beam", [1, 4])
