@@ -13,10 +13,9 @@ default generator takes the lean step above ``fairseq_ext.sat.generator.STATIC_M
 import argparse
 import os
 import random
-import time
 
-from .decode import acts_test_bin, batches, compiled_step, gen_args, load
-from .sat_contenders import ROOT
+from .decode import acts_test_bin, batches, compiled_step, gen_args, load, run_setting
+from .sat_contenders import ROOT, Contender
 from .speculative import RELEASE
 
 
@@ -49,23 +48,23 @@ def main(argv=None):
     print(f"threads {torch.get_num_threads()}; the default takes the lean step above {STATIC_MAX_ROWS} rows a call")
     print("| search | batch | rows a call | static ms/sent | lean ms/sent | static / lean | identical batches |")
     print("|---|---|---|---|---|---|---|")
+    def static_gen(beam):
+        gen = task.build_generator([model], gen_args(beam))
+        gen.model.static_max_rows = 10 ** 9  # on the static step at every size
+        return gen
+
+    cs = [Contender("static", 1, "ours", model=model, make_gen=static_gen),
+          Contender("lean", 1, "ours", model=model, make_gen=lambda beam: SATSequenceGenerator(
+              [model], D, beam_size=beam, max_len_b=200, static_step=False))]
     for beam in args.beams:
-        static = task.build_generator([model], gen_args(beam))
-        static.model.static_max_rows = 10 ** 9  # on the static step at every size
-        gens = {"static": static,
-                "lean": SATSequenceGenerator([model], D, beam_size=beam, max_len_b=200, static_step=False)}
         for bsz in args.batches:
             samples = batches(task, args.sentences, bsz)
-            secs, same = {k: 0.0 for k in gens}, 0
+            secs, same = {c.name: 0.0 for c in cs}, 0
             for _ in range(args.passes):
-                for s in samples:
-                    hyps = {}
-                    for name, g in rng.sample(list(gens.items()), len(gens)):
-                        t0 = time.perf_counter()
-                        out = g.generate([model], s)
-                        secs[name] += time.perf_counter() - t0
-                        hyps[name] = [h[0]["tokens"].tolist() for h in out]
-                    same += hyps["static"] == hyps["lean"]
+                res = run_setting(cs, samples, beam, rng, block=1)  # a new random order for every batch
+                for name, (dt, _) in res.items():
+                    secs[name] += dt
+                same += sum(all(res["static"][1][i] == res["lean"][1][i] for i in s["id"].tolist()) for s in samples)
             n = args.passes * sum(int(s["nsentences"]) for s in samples)
             print(f"| {'greedy' if beam == 1 else f'beam {beam}'} | {bsz} | {bsz * beam} | "
                   f"{1e3 * secs['static'] / n:.2f} | {1e3 * secs['lean'] / n:.2f} | "
