@@ -95,7 +95,7 @@ def build_generator(task, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=N
         # fairseq-generate's post-processing (--remove-bpe) adds the words it prints to the target dictionary
         stock = _STOCK(task, models, args, seq_gen_cls=seq_gen_cls, extra_gen_cls_kwargs=extra_gen_cls_kwargs,
                        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn)
-        gen.stock_fallback = lambda: stock
+        gen.stock_fallback = lambda: stock  # a callable: as an attribute, nn.Module would register it as a submodule
         logger.info(f"fairseq_ext: decoding with the static decoder step (beam {gen.beam_size}; {OFF}=1 for "
                     f"fairseq's generator)")
         return gen
