@@ -5,9 +5,11 @@ from it, K = 2 / 4 / 6 keep 99 / 95 / 92% of the Transformer's BLEU (26.90 / 25.
 2.76 / 3.72x its batch-1 speed on a CPU (Table 5); distillation matters more as K grows (Figure 5); the
 cross-entropy rises within a group (Figure 6, models trained without distillation).
 
-Here, so that no arm is favoured: one teacher, the release transformer trained further until its valid loss no
-longer falls (``--sat-teacher-updates``), which is also where every student starts; the training set re-translated
-by it with beam 4. Every K of ``--sat-ks`` (K = 1: the same pipeline without the semi-autoregressive part) is
+Here, so that no arm is favoured: one teacher, the release transformer trained on in rounds until a round no longer
+gains (each round ``--sat-teacher-updates`` updates from the previous round's average at the students' peak lr, a
+warm restart; the teacher is the last round that gained at least ``--sat-teacher-gain`` valid BLEU, beam 4, over the
+one before it, or the release itself), which is also where every student starts; the training set re-translated by
+it with beam 4. Every K of ``--sat-ks`` (K = 1: the same pipeline without the semi-autoregressive part) is
 trained twice, on the distilled targets and on the real ones, each recipe with the learning rate and
 initialisation its own K = 2 pilots chose (the same grid, the same pilot length, valid greedy BLEU), and every
 student runs the same fixed number of updates (no early stopping: patience on the valid loss against the real
@@ -38,10 +40,15 @@ def options(p):
     g.add_argument("--sat-pilot-updates", type=int, default=800, help="updates of each pilot (default 800)")
     g.add_argument("--sat-ks", default="1,2,4,6", help="group sizes, each on distilled and real targets")
     g.add_argument("--sat-teacher", default=RELEASE, help="the teacher's starting point (default: the release)")
-    g.add_argument("--sat-teacher-updates", type=int, default=10000,
-                   help="updates the teacher trains on from --sat-teacher until its valid loss is flat "
-                        "(default 10000; 0: the starting point is the teacher)")
-    g.add_argument("--sat-teacher-lr", type=float, default=0.001, help="peak lr of that training (default 0.001)")
+    g.add_argument("--sat-teacher-updates", type=int, default=8000,
+                   help="updates of each teacher round (default 8000, a student's budget; 0: --sat-teacher as it is)")
+    g.add_argument("--sat-teacher-lr", type=float, default=0.002,
+                   help="peak lr of each round (default 0.002, the students' pilots' usual choice)")
+    g.add_argument("--sat-teacher-rounds", type=int, default=4,
+                   help="at most this many rounds (default 4); the report says when the last one still gained")
+    g.add_argument("--sat-teacher-gain", type=float, default=0.3,
+                   help="a round gains when its valid BLEU (beam 4) beats the previous one's by this much "
+                        "(default 0.3)")
 
 
 class SAT:
@@ -56,16 +63,38 @@ class SAT:
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def teacher(self):
-        """The release trained further on the real targets until its valid loss is flat (or as it is)."""
-        if not self.a.sat_teacher_updates:
-            return lambda S: self.a.sat_teacher, []
-        argv = ["--task", "translation", "--arch", "transformer", "--source-lang", "de", "--target-lang", "en",
-                "--finetune-from-model", self.a.sat_teacher, *size_args(self.a.dim), *PRE_NORM,
-                *adam_args(self.a.sat_teacher_lr, warmup=200),
-                *fixed_budget_args(self.a.sat_teacher_updates, interval=20 if self.smoke else 500)]
-        self.S.add(train_job("sat-teacher", self.S, self.corpus.bin, argv, ["data"], {}, threads=self.a.threads,
-                             what="the teacher: the release trained on until its valid loss is flat"))
-        return lambda S: S.result("sat-teacher")["checkpoint"], ["sat-teacher"]
+        """The release trained on in rounds until one gains less than ``--sat-teacher-gain`` valid BLEU (beam 4):
+        round r starts from round r - 1's average (round 1 from ``--sat-teacher``) with a fresh optimizer. Returns
+        (the teacher's job name or None for ``--sat-teacher`` itself, [(round, valid BLEU beam 4)], whether the
+        last round still gained)."""
+        from fairseq_ext.checkpoints.release import sha256
+
+        S, a = self.S, self.a
+        # in the settings of what reads --sat-teacher: a new release at the same path re-runs the rounds
+        start_digest = self.start_digest = {"start": a.sat_teacher, "sha256": sha256(a.sat_teacher)}
+        start = S.add(eval_job("sat-teacher-r0-eval", S, lambda S: a.sat_teacher, self.corpus, [("valid", 4)],
+                               ["data"], settings=start_digest))
+        S.run_all([start.name])
+        scores = [(0, S.result(start.name)["bleu_valid_beam4"])]
+        best, prev = None, a.sat_teacher
+        for r in range(1, a.sat_teacher_rounds + 1 if a.sat_teacher_updates else 1):
+            name = f"sat-teacher-r{r}"
+            argv = ["--task", "translation", "--arch", "transformer", "--source-lang", "de", "--target-lang", "en",
+                    "--finetune-from-model", prev, *size_args(a.dim), *PRE_NORM,
+                    *adam_args(a.sat_teacher_lr, warmup=200),
+                    *fixed_budget_args(a.sat_teacher_updates, interval=20 if self.smoke else 500)]
+            deps = ["data"] + ([best] if best else [])
+            S.add(train_job(name, S, self.corpus.bin, argv, deps, {} if best else start_digest, threads=a.threads,
+                            what=f"the teacher, round {r}: {a.sat_teacher_updates} updates from "
+                                 + (best or "the release")))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                           [("valid", 4)], [name]))
+            S.run_all([f"{name}-eval"])
+            scores.append((r, S.result(f"{name}-eval")["bleu_valid_beam4"]))
+            if scores[-1][1] - scores[-2][1] < a.sat_teacher_gain:
+                return best, scores, False
+            best, prev = name, S.result(name)["checkpoint"]
+        return best, scores, bool(a.sat_teacher_updates)
 
     def student_argv(self, K, lr, init, max_update):
         argv = ["--task", "translation_sat", "--arch", "sat_transformer", "--source-lang", "de",
@@ -98,7 +127,7 @@ class SAT:
                 n = sum(1 for _ in f)
             return {"pairs": n, "summary": f"{n} pairs re-translated with beam 4"}
 
-        return Job("sat-kd-beam4", run, {"teacher": self.a.sat_teacher, "beam": 4, "bound": [1.2, 10]},
+        return Job("sat-kd-beam4", run, {"teacher": self.start_digest, "beam": 4, "bound": [1.2, 10]},
                    ["data", *deps], threads=self.a.threads,
                    what="the training set re-translated by the teacher (beam 4)")
 
@@ -186,9 +215,14 @@ class SAT:
     # -- the run ---------------------------------------------------------------------------------------------
     def run(self):
         S = self.S
-        self.teacher_path_of, self.teacher_deps = self.teacher()
-        self.teacher_path = self.a.sat_teacher if not self.teacher_deps else os.path.join(
-            S.W, "checkpoints", "sat-teacher", "checkpoint_avg.pt")
+        teacher, rounds, still_gaining = self.teacher()
+        self.teacher_path_of = ((lambda S: S.result(teacher)["checkpoint"]) if teacher
+                                else (lambda S: self.a.sat_teacher))
+        self.teacher_deps = [teacher] if teacher else []
+        self.teacher_path = self.teacher_path_of(S)
+        self.ctx.say("sat: teacher rounds on valid (beam 4): " + ", ".join(f"{r}: {b:.2f}" for r, b in rounds)
+                     + f" -> the teacher is {teacher or 'the starting point'}"
+                     + (" (the last round still gained)" if still_gaining else ""))
         S.add(self.kd_job(self.teacher_path_of, self.teacher_deps))
         pilots = self.pilots()
         S.run_all([f"{n}-eval" for n in pilots])
@@ -200,19 +234,21 @@ class SAT:
         analysis = self.analysis_jobs(students)
         S.run_all([f"{n}-eval" for n in students] + analysis)
         return {"chosen": {r: {"init": i, "lr": lr} for r, (i, lr) in chosen.items()}, "pilots": scored,
-                "students": students, "teacher_trained": bool(self.teacher_deps)}
+                "students": students, "teacher": teacher, "teacher_rounds": rounds,
+                "teacher_still_gaining": still_gaining}
 
 
 def smoke(a):
     """--smoke: a few updates of everything (the corpus slice has 400 training verses)."""
     a.sat_max_update, a.sat_pilot_updates = 40, 20
     if a.sat_teacher_updates:
-        a.sat_teacher_updates = 40
+        a.sat_teacher_updates, a.sat_teacher_rounds = 40, min(a.sat_teacher_rounds, 2)
 
 
 def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     """The BLEU table: the teacher, then every student with its updates, minutes, curve check and ratio."""
-    label = "Transformer (teacher" + (", the release trained on)" if outcome["teacher_trained"] else ", release)")
+    r = _teacher_round(outcome)
+    label = f"Transformer (teacher: the release + {r} round{'s' * (r > 1)})" if r else "Transformer (teacher, release)"
     rows = [[label, *(R.fmt(teacher[k]) for k in KEYS), teacher_tr.get("updates", "-") if teacher_tr else "-",
              curve_cell(teacher_tr) if teacher_tr else "-", "100%", "-"]]
     for n in outcome["students"]:
@@ -223,6 +259,28 @@ def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
                      f"{100 * PAPER['ratio_to_teacher'][str(K)]:.0f}%" if str(K) in PAPER["ratio_to_teacher"]
                      and recipe == "kd" else "-"])
     return rows
+
+
+def _teacher_round(outcome):
+    """The teacher's round (0: the starting point itself)."""
+    return int(outcome["teacher"].rsplit("-r", 1)[1]) if outcome["teacher"] else 0
+
+
+def _teacher_line(a, outcome):
+    """The Setup's teacher sentence: the rounds, each one's valid BLEU, the stop rule and where it stopped."""
+    start = ("the release transformer (`releases/bible-de-en/transformer.pt`)" if a.sat_teacher == RELEASE
+             else f"`{os.path.basename(a.sat_teacher)}`")
+    if not a.sat_teacher_updates:
+        return start
+    by_round = ", ".join(("start" if r == 0 else f"round {r}") + f" {b:.2f}" for r, b in outcome["teacher_rounds"])
+    r = _teacher_round(outcome)
+    stop = (f"the last round allowed (--sat-teacher-rounds {a.sat_teacher_rounds}) still gained"
+            if outcome["teacher_still_gaining"] else f"round {len(outcome['teacher_rounds']) - 1} gained less")
+    return (f"{start} trained on in rounds of {a.sat_teacher_updates} updates on the real targets, each from the "
+            f"previous round's average with a fresh adam (lr {a.sat_teacher_lr}, warmup 200, label smoothing 0.1, the "
+            f"average of its last 3 checkpoints), until a round gains less than {a.sat_teacher_gain} valid BLEU "
+            f"(beam 4) over the one before: valid BLEU by round {by_round}; {stop}, so the teacher is "
+            + (f"round {r}" if r else "the starting point"))
 
 
 def _speed_rows(speed, ks):
@@ -289,9 +347,7 @@ def _markdown(S, a, outcome, verdict, reason, tables, ev, teacher, fig6, prov_li
     rows, prow, srows, rrows = tables
     chosen = "; ".join(f"{'distilled' if r == 'kd' else 'real'} targets: init **{c['init']}**, lr **{c['lr']}**"
                        for r, c in outcome["chosen"].items())
-    teacher_line = (f"the release transformer (`releases/bible-de-en/transformer.pt`) trained on for "
-                    f"{a.sat_teacher_updates} more updates on the real targets (lr {a.sat_teacher_lr}, the average of "
-                    "its last 3 checkpoints)" if outcome["teacher_trained"] else "the release transformer")
+    teacher_line = _teacher_line(a, outcome)
     return f"""## SAT: semi-autoregressive decoding (Wang et al., EMNLP 2018)
 
 **Claim** (Table 3, WMT'14 En-De, beam 4): with sequence-level distillation by the Transformer and initialisation
@@ -352,7 +408,7 @@ def report(ctx, outcome):
     ev = {n: S.result(f"{n}-eval") for n in outcome["students"]}
     tr = {n: trained(S, n) for n in outcome["students"]}
     teacher = S.result("sat-teacher-eval")
-    teacher_tr = trained(S, "sat-teacher") if outcome["teacher_trained"] else None
+    teacher_tr = trained(S, outcome["teacher"]) if outcome["teacher"] else None
     ks = sorted({int(n.split("-")[1][1:]) for n in outcome["students"]})
     by, best = ratios(ev, teacher, ks)
     by_valid, _ = ratios(ev, teacher, ks, "bleu_valid_beam4")
@@ -367,6 +423,9 @@ def report(ctx, outcome):
     fig6 = S.result("sat-fig6")["models"]
     reps = S.result("sat-repeats")["files"]
     reason = _reason(met, by, best, kd_effect, k1_over, unflat, speed, ks)
+    if outcome["teacher_still_gaining"]:
+        reason += (f" The teacher's last round still gained {a.sat_teacher_gain} valid BLEU or more: a longer "
+                   "teacher (--sat-teacher-rounds) would change every ratio.")
     used = [S.result(n) for n in S.results if n.startswith("sat-")]
     prov, prov_line = R.provenance(used, "sat")
     prow = [[n[10:].replace("-lr", ", lr ").replace("-", ", ", 1), R.fmt(b)]
@@ -381,7 +440,9 @@ def report(ctx, outcome):
                                                    for K in ks},
               "paper_ratio_to_teacher": {k: round(v, 4) for k, v in PAPER["ratio_to_teacher"].items()},
               "paper_speedup_cpu": PAPER["speedup_cpu"], "targets": TARGET,
-              "teacher": {**{k: teacher[k] for k in KEYS}, "trained_updates": a.sat_teacher_updates},
+              "teacher": {**{k: teacher[k] for k in KEYS}, "round": _teacher_round(outcome),
+                          "round_updates": a.sat_teacher_updates, "valid_beam4_by_round": outcome["teacher_rounds"],
+                          "still_gaining": outcome["teacher_still_gaining"]},
               "students": {n: {**{k: ev[n][k] for k in KEYS}, "updates": tr[n]["updates"],
                                "minutes": round(tr[n].get("train_minutes") or tr[n]["minutes"], 1),
                                "seed": tr[n].get("seed")} for n in outcome["students"]},

@@ -89,7 +89,8 @@ def _bleu(v):
         f"bleu_{s}_{d}_signature": sig for s in ("valid", "test") for d in ("greedy", "beam4")}
 
 
-def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True):
+def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), (1, 26.0), (2, 26.1)),
+                still_gaining=False):
     """The SAT report from fabricated results: K -> test/valid BLEU of the distilled and the real-target student."""
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w")])
@@ -101,7 +102,7 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True):
         S.results[n] = {"updates": 8000, "minutes": 10.0, "valid_curve": curve, "seed": "1",
                         "code_commit": "abc" if K < 6 else "def"}
         S.results[f"{n}-eval"] = _bleu((kd if recipe == "kd" else real)[K])
-    S.results["sat-teacher"] = {"updates": 10000, "minutes": 30.0, "valid_curve": curve, "seed": "1"}
+    S.results["sat-teacher-r1"] = {"updates": 8000, "minutes": 30.0, "valid_curve": curve, "seed": "1"}
     S.results["sat-teacher-eval"] = _bleu(teacher)
     S.results["sat-kd-beam4"] = {"pairs": 100}
     S.results["sat-speed"] = {"ms": [{"label": lab, "beam": b, "ms": ms * b} for lab, ms in
@@ -117,7 +118,8 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True):
     outcome = {"students": students, "chosen": {"kd": {"init": "decoder", "lr": 0.001},
                                                 "real": {"init": "paper", "lr": 0.002}},
                "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
-               "teacher_trained": True}
+               "teacher": "sat-teacher-r1", "teacher_rounds": [list(r) for r in rounds],
+               "teacher_still_gaining": still_gaining}
     claims_sat.report(ctx, outcome)
     docs = tmp_path / "docs"
     return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
@@ -151,6 +153,70 @@ def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_fallin
     assert "Still falling in the last 20% of their updates (>= 1% valid loss): the teacher, sat-k1-kd" \
         in rec["reason"]
     assert "4.8% (still falling)" in md
+
+
+def test_sat_report_names_the_teachers_rounds_and_a_last_round_still_gaining(tmp_path):
+    scores = dict(kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0})
+    rec, md = _sat_report(tmp_path / "flat", **scores)
+    assert rec["teacher"]["round"] == 1 and rec["teacher"]["valid_beam4_by_round"] == [[0, 25.0], [1, 26.0],
+                                                                                       [2, 26.1]]
+    assert "| Transformer (teacher: the release + 1 round) | 20.00 |" in md
+    assert ("valid BLEU by round start 25.00, round 1 26.00, round 2 26.10; round 2 gained less, so the teacher is "
+            "round 1") in md
+    assert "still gained" not in rec["reason"]
+    rec, md = _sat_report(tmp_path / "gaining", **scores, rounds=((0, 25.0), (1, 26.0)), still_gaining=True)
+    assert rec["teacher"]["still_gaining"] and "a longer teacher (--sat-teacher-rounds) would change" in rec["reason"]
+    assert "the last round allowed (--sat-teacher-rounds 4) still gained, so the teacher is round 1" in md
+
+
+class _FakeRounds:
+    """claims_sat's train_job / eval_job replaced: round r's valid BLEU (beam 4) is ``bleu[r]``; records the rounds
+    trained and the checkpoint each started from."""
+
+    def __init__(self, bleu):
+        self.bleu, self.started_from = bleu, {}
+
+    def train_job(self, name, S, bin_dir, argv, deps, settings, threads=1, what=""):
+        def run(job, S):
+            self.started_from[name] = argv[argv.index("--finetune-from-model") + 1]
+            return {"checkpoint": f"/ck/{name}.pt", "updates": 8000}
+        return Job(name, run, {"argv": argv, **settings}, deps)  # as common.train_job
+
+    def eval_job(self, name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, threads=1):
+        r = int(name.split("-r")[1].split("-")[0])
+        return Job(name, lambda job, S: {"bleu_valid_beam4": self.bleu[r], "ckpt": ckpt_of(S)}, settings or {}, deps)
+
+
+@pytest.mark.parametrize("bleu, teacher, trained, still", [
+    ([25.0, 26.0, 26.2, 27.0], "sat-teacher-r1", 2, False),  # round 2 gains 0.2 < 0.3: round 1, round 3 never runs
+    ([25.0, 25.1], None, 1, False),  # the starting point is already the teacher
+    ([25.0, 26.0, 27.0], "sat-teacher-r2", 2, True),  # --sat-teacher-rounds 2 ran out while still gaining
+])
+def test_sat_teacher_rounds_stop_at_the_first_round_that_does_not_gain(tmp_path, monkeypatch, bleu, teacher,
+                                                                       trained, still):
+    fake = _FakeRounds(bleu)
+    monkeypatch.setattr(claims_sat, "train_job", fake.train_job)
+    monkeypatch.setattr(claims_sat, "eval_job", fake.eval_job)
+    release = tmp_path / "rel.pt"
+    release.write_bytes(b"weights")
+    args, _ = claims.parse_args(["--paper", "sat", "--workdir", str(tmp_path), "--sat-teacher", str(release),
+                                 "--sat-teacher-rounds", "2"])
+    S = Scheduler(str(tmp_path), say=lambda m: None)
+    S.add(Job("data", lambda job, S: {}, {}))
+    sat = claims_sat.SAT(type("Ctx", (), {"S": S, "args": args, "corpus": type("C", (), {"bin": "b"})()})())
+    got, rounds, got_still = sat.teacher()
+    assert (got, got_still) == (teacher, still) and rounds == list(enumerate(bleu[:trained + 1]))
+    assert sorted(fake.started_from) == [f"sat-teacher-r{r}" for r in range(1, trained + 1)]
+    assert fake.started_from["sat-teacher-r1"] == str(release)
+    if trained == 2:
+        assert fake.started_from["sat-teacher-r2"] == "/ck/sat-teacher-r1.pt"  # from the round before, averaged
+    # a new release at the same path: the start is scored and round 1 trained again, not read back
+    release.write_bytes(b"other weights")
+    fake.started_from.clear()
+    S = Scheduler(str(tmp_path), say=lambda m: None)
+    S.add(Job("data", lambda job, S: {}, {}))
+    claims_sat.SAT(type("Ctx", (), {"S": S, "args": args, "corpus": type("C", (), {"bin": "b"})()})()).teacher()
+    assert "sat-teacher-r1" in fake.started_from
 
 
 def test_msc_verdict_follows_the_issue_targets():
