@@ -504,6 +504,12 @@ def _control_text(by_size, sizes):
                else ""))
 
 
+def _unflat(by_size, sizes):
+    """The sentence naming the baselines and phases still falling at the end of their updates ("" if none)."""
+    return still_falling([(f"{k} at {n}", r) for n in sizes
+                          for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]])
+
+
 def _reason(a, by_size, sizes, missed, not_run):
     """Why the verdict: per size the gap against its target, phase 1 and phase 3 against their controls."""
     gaps = "; ".join(f"{n} verses: phase 3 {by_size[n]['bj']['p3']['bleu_test_beam4']:.2f} (dropout "
@@ -513,8 +519,7 @@ def _reason(a, by_size, sizes, missed, not_run):
     p3c = ", ".join(f"{by_size[n]['p3_vs_ctrl']:+.2f} at {n}" for n in sizes)
     p1 = ", ".join(f"{by_size[n]['bj']['p1']['bleu_test_beam4'] - by_size[n]['base']['bleu_test_beam4']:+.2f} at {n}"
                    for n in sizes)
-    unflat = still_falling([(f"{k} at {n}", r) for n in sizes
-                            for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]])
+    unflat = _unflat(by_size, sizes)
     return (f"Test BLEU (beam 4): {gaps}. "
             + (f"Missed at {', '.join(map(str, missed))} verses. " if missed else
                "Every size run meets its target. " if any(n in TARGET for n in sizes) else
@@ -649,6 +654,7 @@ def report(ctx, outcome):
     plot(by_size, png)
     verdict, missed, not_run = verdict_of(by_size)
     reason = _reason(a, by_size, sizes, missed, not_run)
+    verdict, reason = R.past_early_regime(verdict, reason, _unflat(by_size, sizes), "--bj-max-update")
     sections = _size_sections(a, by_size, sizes)
     allres = [x for n in sizes for x in [by_size[n]["base_test"], *by_size[n]["bj"].values(), by_size[n]["std"],
                                           *by_size[n]["bases"].values(), *([by_size[n]["layer"]] if "layer" in

@@ -223,6 +223,7 @@ def report(ctx, outcome):
     unflat = still_falling([(labels[n], trained(S, n)) for n in labels], sep="; ")
     if unflat:
         reason += " " + unflat
+    v, reason = R.past_early_regime(v, reason, unflat, "--convs2s-updates")
     prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("convs2s-")], "convs2s")
     prow = [[n[8:].replace("-pilot-lr", ", lr "), R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
     md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)

@@ -179,6 +179,7 @@ def report(ctx, outcome):
     falling = still_falling(curves)
     if falling:
         reason += " " + falling
+    v, reason = R.past_early_regime(v, reason, falling, "--msc-updates")
     lo, hi = min(depths), max(depths)
     train = {k: r.get("train_bleu") for k, r in deg.items()}
     if all(train.get((var, d)) is not None for var in VARIANTS for d in (lo, hi)):

@@ -24,7 +24,10 @@ One table of verdict words for all four papers:
 | reproduced | the fair experiment ran and every target of the section is met |
 | partly reproduced | the fair experiment ran and some targets are met: the section names which effects hold |
 | not reproduced | the fair experiment ran and the effect is absent: no target is met |
-| not tested | the experiment could not be run as designed: the section says what would test it |
+| not tested | the experiment could not be run as designed (an arm still learning when its budget ended, or a part not \
+run): the section says what would test it |
+
+An arm is still learning when the last 20% of its updates gained 1% valid loss or more.
 """
 VERDICTS = ("reproduced", "partly reproduced", "not reproduced", "not tested")
 
@@ -35,6 +38,18 @@ def verdict_of(met):
         raise ValueError("a verdict needs at least one target")
     hits = sum(bool(v) for v in met.values())
     return "reproduced" if hits == len(met) else "partly reproduced" if hits else "not reproduced"
+
+
+def past_early_regime(verdict, reason, unflat, longer):
+    """A verdict needs every arm trained past its early regime (the last 20% of its updates gains < 1% valid loss,
+    ``common.flattened``). ``unflat``: the sentence naming the arms still falling ("" when none, and the verdict
+    stands); otherwise the experiment did not run as designed, so the verdict is "not tested" and the reason says
+    what the targets read as measured and what would test them (``longer``: the flag of a longer budget)."""
+    if not unflat:
+        return verdict, reason
+    return "not tested", (f"Not tested as designed: arms were still learning when their budget ended, so the targets "
+                          f"are not yet evidence about the paper (as measured they read \"{verdict}\"; a longer "
+                          f"budget, {longer}, would test them). " + reason)
 
 
 def provenance(results, paper):

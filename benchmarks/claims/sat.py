@@ -426,6 +426,11 @@ def report(ctx, outcome):
     if outcome["teacher_still_gaining"]:
         reason += (f" The teacher's last round still gained {a.sat_teacher_gain} valid BLEU or more: a longer "
                    "teacher (--sat-teacher-rounds) would change every ratio.")
+    # the students' curves, and the teacher's rounds (a teacher still gaining makes every ratio optimistic)
+    verdict, reason = R.past_early_regime(
+        verdict, reason, " ".join(filter(None, [still_falling([(n, tr[n]) for n in outcome["students"]]),
+                                                "the teacher's rounds" * outcome["teacher_still_gaining"]])),
+        "--sat-max-update" + " / --sat-teacher-rounds" * outcome["teacher_still_gaining"])
     used = [S.result(n) for n in S.results if n.startswith("sat-")]
     prov, prov_line = R.provenance(used, "sat")
     prow = [[n[10:].replace("-lr", ", lr ").replace("-", ", ", 1), R.fmt(b)]

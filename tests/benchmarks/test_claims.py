@@ -153,6 +153,18 @@ def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_fallin
     assert "Still falling in the last 20% of their updates (>= 1% valid loss): the teacher, sat-k1-kd" \
         in rec["reason"]
     assert "4.8% (still falling)" in md
+    # arms still learning: the experiment did not run as designed, whatever the targets read
+    assert rec["verdict"] == "not tested" and rec["reason"].startswith(
+        'Not tested as designed: arms were still learning when their budget ended, so the targets are not yet '
+        'evidence about the paper (as measured they read "reproduced"; a longer budget, --sat-max-update, would')
+    assert "**Verdict: not tested.** Not tested as designed" in md
+
+
+def test_a_verdict_stands_only_when_every_arm_is_past_its_early_regime():
+    assert claims_report.past_early_regime("reproduced", "R.", "", "--x") == ("reproduced", "R.")
+    v, reason = claims_report.past_early_regime("not reproduced", "R. Still falling: a.", "Still falling: a.", "--x")
+    assert v == "not tested" and reason.endswith('(as measured they read "not reproduced"; a longer budget, --x, '
+                                                 'would test them). R. Still falling: a.')
 
 
 def test_sat_report_names_the_teachers_rounds_and_a_last_round_still_gaining(tmp_path):
@@ -166,6 +178,7 @@ def test_sat_report_names_the_teachers_rounds_and_a_last_round_still_gaining(tmp
     assert "still gained" not in rec["reason"]
     rec, md = _sat_report(tmp_path / "gaining", **scores, rounds=((0, 25.0), (1, 26.0)), still_gaining=True)
     assert rec["teacher"]["still_gaining"] and "a longer teacher (--sat-teacher-rounds) would change" in rec["reason"]
+    assert rec["verdict"] == "not tested" and "--sat-max-update / --sat-teacher-rounds" in rec["reason"]
     assert "the last round allowed (--sat-teacher-rounds 4) still gained, so the teacher is round 1" in md
 
 
