@@ -108,7 +108,9 @@ def average(ckpt_dir, output, last=3):
             if m:
                 found.append((int(m.group(1)), p))
     found.sort()
-    paths = [p for _, p in found[-last:]] or [os.path.join(ckpt_dir, "checkpoint_last.pt")]
+    # newest first, as fairseq's scripts/average_checkpoints.py: the average keeps the first one's training state, so
+    # that it records the update count it was trained to
+    paths = [p for _, p in found[-last:]][::-1] or [os.path.join(ckpt_dir, "checkpoint_last.pt")]
     checkpoints.atomic_torch_save(average_checkpoints(paths), output)
     return {"averaged": [os.path.basename(p) for p in paths]}
 

@@ -369,3 +369,24 @@ def test_convs2s_figure_plots_valid_loss_by_update_and_by_minute(tmp_path):
     claims_convs2s.plot(S, labels, str(png))
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert claims_convs2s.trained(S, "convs2s-lstm")["valid_curve"] == [(100, 8.0), (200, 7.0)]
+
+
+def test_claims_average_keeps_the_newest_checkpoints_training_state(tmp_path):
+    """The average of a training's last interval checkpoints records the update count it was trained to (the newest
+    one's training state, as fairseq's average_checkpoints.py), not the oldest averaged one's."""
+    import argparse
+
+    import torch
+
+    from benchmarks.claims import work
+    from fairseq_ext import checkpoints
+
+    for n, u in enumerate((500, 1000, 1500, 2000)):
+        torch.save({"model": {"w": torch.full((2,), float(u))}, "args": argparse.Namespace(arch="x"),
+                    "extra_state": {"epoch": 1}, "optimizer_history": [{"num_updates": u}]},
+                   tmp_path / f"checkpoint_1_{u}.pt")
+    res = work.average(str(tmp_path), str(tmp_path / "avg.pt"))
+    assert res["averaged"] == ["checkpoint_1_2000.pt", "checkpoint_1_1500.pt", "checkpoint_1_1000.pt"]
+    avg = checkpoints.load_checkpoint_file(str(tmp_path / "avg.pt"))
+    assert avg["optimizer_history"][-1]["num_updates"] == 2000 and torch.equal(avg["model"]["w"],
+                                                                                torch.full((2,), 1500.0))
