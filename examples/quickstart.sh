@@ -258,7 +258,8 @@ if [ ! -f "$CKPT/.done" ]; then
   else
     step "3/6 fairseq-train --arch $ARCH: $MAX_UPDATE updates (at most $MINUTES minutes), checkpoints in $CKPT"
   fi
-  train_model "$BIN" "$CKPT" "$LOGS/train-$ARCH-$SRC-$TGT$SUFFIX.log" --task "$TASK" --arch "$ARCH" "${TRAIN_ARGS[@]}"
+  # named after the checkpoint directory: two SAT students (SAT_K) of one work directory keep apart
+  train_model "$BIN" "$CKPT" "$LOGS/train-$(basename "$CKPT").log" --task "$TASK" --arch "$ARCH" "${TRAIN_ARGS[@]}"
   touch "$CKPT/.done"
 else
   step "3/6 model already trained in $CKPT (delete it to retrain)"

@@ -237,6 +237,17 @@ def test_train_release_trains_scores_and_packs_with_the_shared_bpe(tmp_path):
     if os.path.isfile(shipped_spm):
         assert (rel / "spm.model").read_bytes() == open(shipped_spm, "rb").read()
         assert "with the sentencepiece model" in proc.stdout
+    # a SAT student distilled from that release, in the same work directory: its own training log (two students
+    # of one work directory once wrote one log, and the manifest took another run's training time)
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "train_release.py"), "--arch",
+                           "sat_transformer", "--sat-k", "4", "--smoke", "--workdir", str(tmp_path / "w"),
+                           "--release-root", str(root)], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    log = tmp_path / "w" / "logs" / "train-sat_transformer-de-en-k4.log"
+    assert "sat_group_size=4" in log.read_text()
+    entry = read_manifest(str(rel))["models"]["sat_transformer_k4"]
+    assert entry["updates_trained"] == 20 and entry["train_seconds"] is not None
+    assert "SAT_TEACHER" in entry["quickstart_environment"] and "distilled from" in entry["summary"]
 
 
 # ---- releases carry no path of the machine that built them; malformed manifests are refused ----
