@@ -21,5 +21,6 @@ TRAIN_ARGS=(
   --clip-norm 0.0 --criterion label_smoothed_cross_entropy --label-smoothing 0.1 --max-tokens "$MAX_TOKENS"
 )
 GEN_ARGS=(--beam 5 --lenpen 1.0 --max-len-a 1.2 --max-len-b 10)  # bounded: a briefly trained model may not stop
-# from the release (releases/bible-de-en/transformer.pt, 5,000 updates): 600 more, from about the lr it ended at
+# from the release (releases/bible-de-en/transformer.pt): 600 more updates from lr 0.0006; the release is at its
+# plateau on these verses, so the continuation shows training and gains no BLEU (docs/quickstart.md)
 RELEASE_UPDATES=600 RELEASE_LR=0.0006

@@ -259,10 +259,12 @@ def _hub(path, data=DE_EN, model_class="transformer", **kwargs):
 
 @pytest.mark.parametrize("name, model_class", [("transformer", "transformer"), ("sat_transformer_k2", "sat")])
 def test_scores_that_are_not_finite_end_in_one_line_naming_the_checkpoint(tmp_path, release_data, name, model_class):
-    """A weight of 1e30 (finite, valid CRC) makes the activations overflow: fairseq's search ended in
-    'AssertionError: 200 < 200', the SAT generator's with no hypothesis at all. Through the hub."""
+    """A bias of 1e30 (finite, valid CRC) makes the activations overflow: fairseq's search ended in
+    'AssertionError: 200 < 200', the SAT generator's with no hypothesis at all. Through the hub. (A bias, not a
+    weight: a weight of 1e30 times a negative input is zero after the ReLU, so whether it overflows depends on the
+    model's other weights.)"""
     state = _float_state(name)
-    state["model"]["encoder.layers.0.fc1.weight"][0, 0] = 1e30
+    state["model"]["encoder.layers.0.fc1.bias"][0] = 1e30
     path = str(tmp_path / "huge_weight.pt")
     torch.save(state, path)
     hub = _hub(path, release_data, model_class)
