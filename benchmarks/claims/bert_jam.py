@@ -504,14 +504,9 @@ def _control_text(by_size, sizes):
                else ""))
 
 
-def _unflat(by_size, sizes):
-    """The sentence naming the baselines and phases still falling at the end of their updates ("" if none)."""
-    return still_falling([(f"{k} at {n}", r) for n in sizes
-                          for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]])
-
-
-def _reason(a, by_size, sizes, missed, not_run):
-    """Why the verdict: per size the gap against its target, phase 1 and phase 3 against their controls."""
+def _reason(a, by_size, sizes, missed, not_run, unflat):
+    """Why the verdict: per size the gap against its target, phase 1 and phase 3 against their controls;
+    ``unflat``: the sentence naming the trainings still falling ("" if none)."""
     gaps = "; ".join(f"{n} verses: phase 3 {by_size[n]['bj']['p3']['bleu_test_beam4']:.2f} (dropout "
                      f"{by_size[n]['dropout']}) vs baseline {by_size[n]['base']['bleu_test_beam4']:.2f} (dropout "
                      f"{by_size[n]['base_test']['dropout']}), {by_size[n]['gap']:+.2f} (target "
@@ -519,7 +514,6 @@ def _reason(a, by_size, sizes, missed, not_run):
     p3c = ", ".join(f"{by_size[n]['p3_vs_ctrl']:+.2f} at {n}" for n in sizes)
     p1 = ", ".join(f"{by_size[n]['bj']['p1']['bleu_test_beam4'] - by_size[n]['base']['bleu_test_beam4']:+.2f} at {n}"
                    for n in sizes)
-    unflat = _unflat(by_size, sizes)
     return (f"Test BLEU (beam 4): {gaps}. "
             + (f"Missed at {', '.join(map(str, missed))} verses. " if missed else
                "Every size run meets its target. " if any(n in TARGET for n in sizes) else
@@ -653,8 +647,10 @@ def report(ctx, outcome):
     png = os.path.join(S.W, "bert_jam_bleu_by_size.png")
     plot(by_size, png)
     verdict, missed, not_run = verdict_of(by_size)
-    reason = _reason(a, by_size, sizes, missed, not_run)
-    verdict, reason = R.past_early_regime(verdict, reason, _unflat(by_size, sizes), "--bj-max-update")
+    unflat = still_falling([(f"{k} at {n}", r) for n in sizes
+                            for k, r in [("baseline", by_size[n]["base"]), *by_size[n]["bj"].items()]])
+    reason = _reason(a, by_size, sizes, missed, not_run, unflat)
+    verdict, reason = R.past_early_regime(verdict, reason, unflat, "--bj-max-update")
     sections = _size_sections(a, by_size, sizes)
     allres = [x for n in sizes for x in [by_size[n]["base_test"], *by_size[n]["bj"].values(), by_size[n]["std"],
                                           *by_size[n]["bases"].values(), *([by_size[n]["layer"]] if "layer" in
