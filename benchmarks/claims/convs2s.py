@@ -9,7 +9,9 @@ Here: ``fconv_glu`` (4 + 3 GLU convolutions of width ``--dim``, kernel 3: the qu
 with attention of similar size (a bidirectional LSTM encoder and an LSTM decoder of hidden size 2 * ``--dim``, shared
 embeddings), and ``fconv_glu`` with attention in its last decoder layer only. Tuned alike: each model's learning
 rate from the same number of pilots of the same length at the same batch size (1,024 tokens), on valid greedy BLEU
-(NAG for ConvS2S as in the paper, adam for the LSTM). Then each trains the same fixed number of updates of the same
+(NAG for ConvS2S as in the paper, adam for the LSTM), and both annealed by the paper's rule (the learning rate / 10
+at the end of each epoch once valid loss stops improving), so that a fixed budget reaches each one's plateau. Then
+each trains the same fixed number of updates of the same
 batches (no early stopping), two at a time, one thread each, so their wall clocks compare, and is evaluated on its
 best checkpoint by valid loss (both train on the real targets); interval checkpoints give the equal-minutes
 comparison. Translation speed, the paper's headline (Table 3), is timed for both on one CPU thread at batch 1 and
@@ -27,13 +29,16 @@ from .report import pyplot, save_figure
 PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
          "en_de": {"convs2s": 25.16, "gnmt_lstm": 24.61},  # Table 1: WMT'14 En-De, ConvS2S vs GNMT (word-piece LSTM)
          "attention_last_layer_only_delta": -0.3}  # Table 5 on WMT'16 En-Ro: attention only in the top decoder layer
-LRS = {"fconv": (0.1, 0.25, 0.5), "lstm": (0.0005, 0.001, 0.003)}  # the same number of pilots for each
+LRS = {"fconv": (0.25, 0.5, 1.0), "lstm": (0.0015, 0.003, 0.006)}  # the same number of pilots for each, x2 apart
+ANNEAL_GAIN = 0.01  # an epoch "stops improving" valid loss when it is not 1% below the best (the flatness bar)
+ANNEAL = ["--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.1", "--lr-patience", "0",
+          "--lr-threshold", str(ANNEAL_GAIN)]  # Section 5.1: lr / 10 each epoch once valid stops improving
 SPEED_TARGET = 5.0  # ConvS2S over the LSTM, CPU: the geometric mean over batch 1 / 64 and greedy / beam 4
 
 
 def options(p):
     g = p.add_argument_group("convs2s")
-    g.add_argument("--convs2s-updates", type=int, default=8000, help="updates of every model (default 8000)")
+    g.add_argument("--convs2s-updates", type=int, default=14000, help="updates of every model (default 14000)")
     g.add_argument("--convs2s-pilot-updates", type=int, default=800, help="updates of each pilot (default 800)")
 
 
@@ -47,8 +52,10 @@ class ConvS2S:
 
     def common(self, updates):
         interval = 10 if self.a.smoke else 250
+        budget = fixed_budget_args(updates, interval=interval, keep=1000)
+        budget[budget.index("--validate-interval") + 1] = "1"  # valid loss at every epoch's end, for ANNEAL
         return ["--task", "translation", "--source-lang", "de", "--target-lang", "en", "--max-tokens", "1024",
-                *fixed_budget_args(updates, interval=interval, keep=1000)]
+                *budget]
 
     def model(self, kind, lr, attention="True"):
         return self.fconv(lr, attention) if kind == "fconv" else self.lstm(lr)
@@ -58,7 +65,7 @@ class ConvS2S:
         return ["--arch", "fconv_glu", "--encoder-embed-dim", str(d), "--encoder-layers", f"[({d}, 3)] * 4",
                 "--decoder-embed-dim", str(d), "--decoder-layers", f"[({d}, 3)] * 3", "--decoder-out-embed-dim",
                 str(d), "--decoder-attention", attention, "--share-input-output-embed", "--dropout", "0.0",
-                "--optimizer", "nag", "--lr", str(lr), "--clip-norm", "0.1", "--lr-scheduler", "fixed",
+                "--optimizer", "nag", "--lr", str(lr), "--clip-norm", "0.1", *ANNEAL,
                 "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
 
     def lstm(self, lr):
@@ -67,7 +74,8 @@ class ConvS2S:
                 "--encoder-layers", "1", "--encoder-bidirectional", "--decoder-embed-dim", str(d),
                 "--decoder-hidden-size", str(2 * d), "--decoder-layers", "1", "--decoder-out-embed-dim", str(d),
                 "--decoder-attention", "1", *adam_args(lr, warmup=200, attention_dropout=False)]
-        return argv
+        at = argv.index("--lr-scheduler")
+        return argv[:at] + ANNEAL + argv[at + 2:]  # warmup, then the paper's schedule, as fconv's
 
     def pilots(self):
         S, a = self.S, self.a
@@ -243,9 +251,12 @@ Targets here: ConvS2S >= the tuned LSTM at equal updates, and >= {SPEED_TARGET:g
 
 **Setup.** `fconv_glu` of width {a.dim} (4 encoder and 3 decoder convolutions of kernel 3, shared input/output
 embedding, NAG, clip 0.1) against fairseq's `lstm` (a bidirectional 1-layer encoder and a 1-layer decoder of hidden
-size {2 * a.dim}, attention, shared embeddings, adam), and `fconv_glu` with `--decoder-attention "[False, False,
-True]"`. Each model's learning rate chosen by {len(LRS['fconv'])} pilots of {a.convs2s_pilot_updates} updates on
-valid greedy BLEU (the same number for both, 1,024 tokens a batch). Then label smoothing 0.1, 1,024 tokens a batch,
+size {2 * a.dim}, attention, shared embeddings, adam, 200 warmup updates), and `fconv_glu` with `--decoder-attention
+"[False, False, True]"`. Each model's learning rate chosen by {len(LRS['fconv'])} pilots of
+{a.convs2s_pilot_updates} updates on valid greedy BLEU (the same number for both, 1,024 tokens a batch; fconv
+{', '.join(map(str, LRS['fconv']))}, the LSTM {', '.join(map(str, LRS['lstm']))}). Both anneal by the paper's rule
+(Section 5.1): the learning rate shrinks 10x at the end of every epoch whose valid loss is not {ANNEAL_GAIN:.0%} below
+the best so far (`--lr-scheduler reduce_lr_on_plateau`). Then label smoothing 0.1, 1,024 tokens a batch,
 {a.convs2s_updates} updates each (no early stopping), fconv and the LSTM side by side (one thread each, so their
 minutes compare), each evaluated on its best checkpoint by valid loss. {prov_line}
 
