@@ -23,13 +23,15 @@ import os
 from . import report as R
 from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, still_falling, train_job,
                      trained, update_walls)
-from .jobs import Job
+from .jobs import ClaimsError, Job
 from .report import pyplot, save_figure
 
 PAPER = {"en_ro": {"convs2s": 30.02, "gru_bpe_sennrich": 28.1},  # Table 1: WMT'16 En-Ro, ConvS2S vs Sennrich's GRU
          "en_de": {"convs2s": 25.16, "gnmt_lstm": 24.61},  # Table 1: WMT'14 En-De, ConvS2S vs GNMT (word-piece LSTM)
          "attention_last_layer_only_delta": -0.3}  # Table 5 on WMT'16 En-Ro: attention only in the top decoder layer
 LRS = {"fconv": (0.25, 0.5, 1.0), "lstm": (0.0015, 0.003, 0.006)}  # the same number of pilots for each, x2 apart
+EXTEND = 2  # pilots beyond an edge of an arm's grid while its best is there (:meth:`ConvS2S.pilots`)
+DIVERGED = ("FloatingPointError", "gradients are Nan/Inf", "Minimum loss scale")  # a pilot's lr too high
 ANNEAL_GAIN = 0.01  # an epoch "stops improving" valid loss when it is not 1% below the best (the flatness bar)
 ANNEAL = ["--lr-scheduler", "reduce_lr_on_plateau", "--lr-shrink", "0.1", "--lr-patience", "0",
           "--lr-threshold", str(ANNEAL_GAIN)]  # Section 5.1: lr / 10 each epoch once valid stops improving
@@ -77,21 +79,51 @@ class ConvS2S:
         at = argv.index("--lr-scheduler")
         return argv[:at] + ANNEAL + argv[at + 2:]  # warmup, then the paper's schedule, as fconv's
 
+    def pilot(self, kind, lr):
+        """A pilot and its valid greedy BLEU; a pilot whose training ends on non-finite values (too high a
+        learning rate) scores 0 instead of stopping the run (any other failure stops it)."""
+        S, name = self.S, f"convs2s-{kind}-pilot-lr{lr}"
+        if name in S.jobs:
+            return name
+        job = train_job(name, S, self.corpus.bin, self.model(kind, lr) + self.common(self.a.convs2s_pilot_updates),
+                        ["data"], {}, what=f"{kind} pilot, lr {lr}")
+        train = job.run
+
+        def run(job, S):
+            try:
+                return train(job, S)
+            except ClaimsError:
+                with open(S.log(name, "train.log"), encoding="utf-8", errors="replace") as f:
+                    if not any(w in f.read() for w in DIVERGED):
+                        raise
+                return {"diverged": True, "summary": "diverged: non-finite loss or gradients"}
+
+        job.run = run
+        S.add(job)
+        ev = eval_job(f"{name}-eval", S, lambda S: S.result(name)["checkpoint"], self.corpus, [("valid", 1)], [name])
+        evaluate = ev.run
+        ev.run = lambda job, S: ({"bleu_valid_greedy": 0.0, "summary": "diverged: 0"}
+                                 if S.result(name).get("diverged") else evaluate(job, S))
+        S.add(ev)
+        return name
+
     def pilots(self):
-        S, a = self.S, self.a
-        names = []
-        for kind, lrs in LRS.items():
-            for lr in lrs:
-                name = f"convs2s-{kind}-pilot-lr{lr}"
-                S.add(train_job(name, S, self.corpus.bin, self.model(kind, lr) + self.common(a.convs2s_pilot_updates),
-                                ["data"], {}, what=f"{kind} pilot, lr {lr}"))
-                S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
-                               [("valid", 1)], [name]))
-                names.append(name)
-        S.run_all([f"{n}-eval" for n in names])
-        scored = {n: S.result(f"{n}-eval")["bleu_valid_greedy"] for n in names}
-        chosen = {kind: float(max((b, n) for n, b in scored.items() if n.startswith(f"convs2s-{kind}-"))[1]
-                              .rsplit("lr", 1)[1]) for kind in LRS}
+        """Each arm's learning rate on valid greedy BLEU: its grid (:data:`LRS`), then, while its best pilot is at
+        an edge of what it tried, one pilot x2 beyond that edge (at most :data:`EXTEND` per arm): the same rule
+        for both, so neither arm's choice is a grid's edge unless the extensions ran out."""
+        S = self.S
+        tried = {kind: list(lrs) for kind, lrs in LRS.items()}
+        for extension in range(EXTEND + 1):
+            names = {kind: [self.pilot(kind, lr) for lr in lrs] for kind, lrs in tried.items()}
+            S.run_all([f"{n}-eval" for ns in names.values() for n in ns])
+            scored = {n: S.result(f"{n}-eval")["bleu_valid_greedy"] for ns in names.values() for n in ns}
+            chosen = {kind: max(lrs, key=lambda lr, k=kind: (scored[f"convs2s-{k}-pilot-lr{lr}"], -lr))
+                      for kind, lrs in tried.items()}
+            edges = {kind: lr for kind, lr in chosen.items() if lr in (min(tried[kind]), max(tried[kind]))}
+            if not edges or extension == EXTEND:
+                break
+            for kind, lr in edges.items():
+                tried[kind] = sorted(tried[kind] + [lr * 2 if lr == max(tried[kind]) else lr / 2])
         self.ctx.say("convs2s: pilots on valid (greedy BLEU): " + ", ".join(f"{n[8:]} {b:.2f}" for n, b in
                                                                           scored.items())
                      + " -> " + ", ".join(f"{k} lr {lr}" for k, lr in chosen.items()))
@@ -234,6 +266,7 @@ def report(ctx, outcome):
     v, reason = R.past_early_regime(v, reason, unflat, "--convs2s-updates")
     prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("convs2s-")], "convs2s")
     prow = [[n[8:].replace("-pilot-lr", ", lr "), R.fmt(b)] for n, b in sorted(outcome["pilots"].items())]
+    npilots = {k: sum(n.startswith(f"convs2s-{k}-") for n in outcome["pilots"]) for k in LRS}
     md = f"""## ConvS2S: convolutional sequence to sequence (Gehring et al., ICML 2017)
 
 **Claim** (Table 1): a fully convolutional model with gated linear units and multi-step attention beats strong
@@ -252,9 +285,11 @@ Targets here: ConvS2S >= the tuned LSTM at equal updates, and >= {SPEED_TARGET:g
 **Setup.** `fconv_glu` of width {a.dim} (4 encoder and 3 decoder convolutions of kernel 3, shared input/output
 embedding, NAG, clip 0.1) against fairseq's `lstm` (a bidirectional 1-layer encoder and a 1-layer decoder of hidden
 size {2 * a.dim}, attention, shared embeddings, adam, 200 warmup updates), and `fconv_glu` with `--decoder-attention
-"[False, False, True]"`. Each model's learning rate chosen by {len(LRS['fconv'])} pilots of
-{a.convs2s_pilot_updates} updates on valid greedy BLEU (the same number for both, 1,024 tokens a batch; fconv
-{', '.join(map(str, LRS['fconv']))}, the LSTM {', '.join(map(str, LRS['lstm']))}). Both anneal by the paper's rule
+"[False, False, True]"`. Each model's learning rate chosen on valid greedy BLEU by pilots of
+{a.convs2s_pilot_updates} updates (1,024 tokens a batch) under one rule: a grid x2 apart (fconv
+{', '.join(map(str, LRS['fconv']))}; the LSTM {', '.join(map(str, LRS['lstm']))}), then, while an arm's best pilot
+is at an edge of what it tried, one more pilot x2 beyond that edge (at most {EXTEND}): {npilots['fconv']} pilots
+for fconv, {npilots['lstm']} for the LSTM (table below). Both anneal by the paper's rule
 (Section 5.1): the learning rate shrinks 10x at the end of every epoch whose valid loss is not {ANNEAL_GAIN:.0%} below
 the best so far (`--lr-scheduler reduce_lr_on_plateau`). Then label smoothing 0.1, 1,024 tokens a batch,
 {a.convs2s_updates} updates each (no early stopping), fconv and the LSTM side by side (one thread each, so their

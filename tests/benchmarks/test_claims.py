@@ -352,6 +352,102 @@ def test_update_walls_counts_a_resumed_process_by_its_timestamps(tmp_path):
     assert update_walls(str(plain)) == [(50, 60.0), (100, 90.0)]
 
 
+def test_convs2s_arms_are_tuned_and_annealed_alike():
+    """Both arms: the same number of pilots, x2 apart, and the paper's schedule as fairseq parses it (lr / 10 at the
+    end of an epoch not 1% below the best valid loss, validated at every epoch's end); the LSTM keeps its warmup."""
+    import argparse
+
+    from fairseq import options
+
+    import fairseq_ext  # noqa: F401  (registers fconv_glu, as --user-dir does)
+
+    a = argparse.Namespace(dim=128, smoke=False)
+    c = claims_convs2s.ConvS2S(type("Ctx", (), {"S": None, "args": a, "corpus": None})())
+    assert len(claims_convs2s.LRS["fconv"]) == len(claims_convs2s.LRS["lstm"])
+    for lrs in claims_convs2s.LRS.values():
+        assert all(b == 2 * x for x, b in zip(lrs, lrs[1:]))
+    parsed = {}
+    for kind, lr in (("fconv", 0.5), ("lstm", 0.003)):
+        argv = ["data-bin", *c.model(kind, lr), *c.common(1000)]
+        parsed[kind] = options.parse_args_and_arch(options.get_training_parser(), argv)
+    for p in parsed.values():
+        assert (p.lr_scheduler, p.lr_shrink, p.lr_patience, p.lr_threshold) == ("reduce_lr_on_plateau", 0.1, 0, 0.01)
+        assert p.validate_interval == 1 and p.validate_interval_updates == 250 and p.patience == -1
+        assert p.max_update == 1000 and p.max_tokens == 1024
+    assert (parsed["fconv"].optimizer, parsed["fconv"].warmup_updates) == ("nag", 0)
+    assert (parsed["lstm"].optimizer, parsed["lstm"].warmup_updates) == ("adam", 200)
+
+
+class _FakePilots:
+    """A scheduler whose pilots score ``score(kind, lr)`` (their eval jobs are never run)."""
+
+    def __init__(self, score):
+        self.jobs, self.results, self.score = {}, {}, score
+
+    def add(self, job):
+        assert job.name not in self.jobs
+        self.jobs[job.name] = job
+
+    def run_all(self, names):
+        for n in names:
+            kind, lr = n.split("-")[1], float(n.split("-lr")[1][: -len("-eval")])
+            self.results[n] = {"bleu_valid_greedy": self.score(kind, lr)}
+
+    def result(self, n):
+        return self.results[n]
+
+
+def _convs2s_pilots(score):
+    import argparse
+
+    a = argparse.Namespace(dim=128, smoke=False, convs2s_pilot_updates=800)
+    S = _FakePilots(score)
+    ctx = type("Ctx", (), {"S": S, "args": a, "corpus": type("C", (), {"bin": "bin"})(),
+                            "say": staticmethod(lambda m: None)})()
+    chosen, scored = claims_convs2s.ConvS2S(ctx).pilots()
+    tried = {k: sorted(float(n.split("-lr")[1]) for n in scored if n.startswith(f"convs2s-{k}-")) for k in chosen}
+    return chosen, tried
+
+
+def test_convs2s_pilots_go_past_a_grid_edge_by_one_rule_for_both_arms():
+    # fconv's best is past its grid's top (2.0, then 4.0 falls): two more pilots; the LSTM's is inside: none
+    chosen, tried = _convs2s_pilots(lambda k, lr: -abs(lr - 2.0) if k == "fconv" else -abs(lr - 0.003))
+    assert chosen == {"fconv": 2.0, "lstm": 0.003}
+    assert tried == {"fconv": [0.25, 0.5, 1.0, 2.0, 4.0], "lstm": [0.0015, 0.003, 0.006]}
+    # still rising at the last extension: the edge is taken (the report says so through the pilot table)
+    chosen, tried = _convs2s_pilots(lambda k, lr: lr)
+    assert chosen == {"fconv": 4.0, "lstm": 0.024} and len(tried["fconv"]) == len(tried["lstm"]) == 5
+    # best below the grid: extended downwards
+    chosen, tried = _convs2s_pilots(lambda k, lr: -lr)
+    assert chosen == {"fconv": 0.0625, "lstm": 0.000375} and tried["fconv"][:2] == [0.0625, 0.125]
+
+
+def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
+    import argparse
+
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    a = argparse.Namespace(dim=128, smoke=False, convs2s_pilot_updates=800)
+    c = claims_convs2s.ConvS2S(type("Ctx", (), {"S": S, "args": a, "corpus": type("C", (), {"bin": "b"})()})())
+
+    def failing(text):
+        def train_job(name, S, *args, **kw):
+            def run(job, S):
+                open(S.log(name, "train.log"), "w").write(text)
+                raise ClaimsError(f"{name} failed (exit 1)")
+            return Job(name, run, {}, [])
+        return train_job
+
+    monkeypatch.setattr(claims_convs2s, "train_job", failing("FloatingPointError: gradients are Nan/Inf\n"))
+    name = c.pilot("fconv", 2.0)
+    S.results[name] = S.jobs[name].run(S.jobs[name], S)
+    assert S.results[name]["diverged"] is True
+    assert S.jobs[f"{name}-eval"].run(S.jobs[f"{name}-eval"], S)["bleu_valid_greedy"] == 0.0
+    monkeypatch.setattr(claims_convs2s, "train_job", failing("FileNotFoundError: data-bin\n"))
+    name = c.pilot("lstm", 0.012)
+    with pytest.raises(ClaimsError):
+        S.jobs[name].run(S.jobs[name], S)
+
+
 def test_convs2s_figure_plots_valid_loss_by_update_and_by_minute(tmp_path):
     """The ConvS2S figure reads each training's log: its valid-loss curve and the minutes of each update."""
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
