@@ -147,6 +147,16 @@ def test_sat_report_takes_the_better_recipe_per_k_and_says_why(tmp_path):
     assert rec["verdict"] == "not reproduced"
 
 
+def test_provenance_says_what_the_steps_cost():
+    # core-hours: each step's minutes times its threads; a result without minutes is not counted
+    rec, line = claims_report.provenance([{"minutes": 30.0, "threads": 1, "code_commit": "a"},
+                                          {"minutes": 15.0, "threads": 2, "code_commit": "a"},
+                                          {"code_commit": "a"}], "x")
+    assert rec["core_hours"] == 1.0 and "Cost: 1.0 core-hours of CPU over its 2 steps" in line
+    rec, line = claims_report.provenance([{"code_commit": "a"}], "x")
+    assert rec["core_hours"] is None and "Cost" not in line
+
+
 def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_falling(tmp_path):
     rec, md = _sat_report(tmp_path, kd={1: 21.0, 2: 19.6, 4: 18.8}, real={1: 20.5, 2: 19.0, 4: 17.0}, flat=False)
     assert "The K = 1 student reaches 105% of the teacher, above it: the teacher had not converged" in rec["reason"]
