@@ -414,6 +414,9 @@ def report(ctx, outcome):
     by_valid, _ = ratios(ev, teacher, ks, "bleu_valid_beam4")
     met = {K: best[K] >= TARGET[str(K)] for K in ks if str(K) in TARGET}
     verdict = R.verdict_of(met) if met else "not tested"
+    not_run = [K for K in TARGET if int(K) not in ks]  # a run of some group sizes (--sat-ks) tests only those
+    if not_run and verdict == "reproduced":
+        verdict = "partly reproduced"
     kd_effect = {K: ev[f"sat-k{K}-kd"]["bleu_valid_beam4"] - ev[f"sat-k{K}-real"]["bleu_valid_beam4"]
                  for K in ks if K > 1 and f"sat-k{K}-kd" in ev and f"sat-k{K}-real" in ev}
     k1_over = best.get(1)
@@ -423,6 +426,9 @@ def report(ctx, outcome):
     fig6 = S.result("sat-fig6")["models"]
     reps = S.result("sat-repeats")["files"]
     reason = _reason(met, by, best, kd_effect, k1_over, unflat, speed, ks)
+    if not_run:
+        reason += (f" Not run here (--sat-ks {a.sat_ks}): K = {', '.join(not_run)}, so "
+                   f"{'its target is' if len(not_run) == 1 else 'their targets are'} not tested.")
     if outcome["teacher_still_gaining"]:
         reason += (f" The teacher's last round still gained {a.sat_teacher_gain} valid BLEU or more: a longer "
                    "teacher (--sat-teacher-rounds) would change every ratio.")

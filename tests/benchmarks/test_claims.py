@@ -145,6 +145,10 @@ def test_sat_report_takes_the_better_recipe_per_k_and_says_why(tmp_path):
     assert rec["verdict"] == "reproduced" and rec["ratio_to_teacher"]["6"] == 0.89
     rec, _ = _sat_report(tmp_path / "miss", kd={1: 20.0, 2: 18.0, 4: 15.0, 6: 10.0}, real={1: 19, 2: 18, 4: 14, 6: 9})
     assert rec["verdict"] == "not reproduced"
+    # a run of K = 2 only (--sat-ks 2) meets its target but cannot read "reproduced": K = 4's is not tested
+    rec, _ = _sat_report(tmp_path / "k2", kd={2: 19.6}, real={2: 19.0})
+    assert rec["verdict"] == "partly reproduced" and rec["ratio_to_teacher"] == {"2": 0.98}
+    assert "Not run here (--sat-ks 1,2,4,6): K = 4, so its target is not tested." in rec["reason"]
 
 
 def test_provenance_says_what_the_steps_cost():
