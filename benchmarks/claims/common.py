@@ -45,6 +45,26 @@ def plateau_args(max_update, interval=500, patience=3, keep=3, seed=1):
             "--log-interval", "50", "--num-workers", "0", "--seed", str(seed)]
 
 
+def lr_pilots(S, grid, extend, add_pilot):
+    """Learning rates from pilots by one rule for every arm: each arm's ``grid`` ({arm: [lr, ...]}, x2 apart), then,
+    while an arm's best pilot is at an edge of what it tried, one more pilot x2 beyond that edge, at most ``extend``
+    per arm, so that no arm's choice is an edge of its grid unless the extensions ran out. ``add_pilot(arm, lr)``
+    adds a pilot's jobs (once) and returns the job whose result holds its ``bleu_valid_greedy``; ties go to the
+    lower rate. Returns ({arm: chosen lr}, {(arm, lr): valid greedy BLEU} of every pilot)."""
+    tried = {arm: sorted(lrs) for arm, lrs in grid.items()}
+    for extension in range(extend + 1):
+        names = {(arm, lr): add_pilot(arm, lr) for arm, lrs in tried.items() for lr in lrs}
+        S.run_all(list(names.values()))
+        scored = {key: S.result(n)["bleu_valid_greedy"] for key, n in names.items()}
+        chosen = {arm: max(lrs, key=lambda lr, arm=arm: (scored[(arm, lr)], -lr)) for arm, lrs in tried.items()}
+        edges = {arm: lr for arm, lr in chosen.items() if len(tried[arm]) > 1 and lr in (tried[arm][0],
+                                                                                          tried[arm][-1])}
+        if not edges or extension == extend:
+            return chosen, scored
+        for arm, lr in edges.items():
+            tried[arm] = sorted(tried[arm] + [lr * 2 if lr == tried[arm][-1] else lr / 2])
+
+
 def fixed_budget_args(max_update, interval=500, keep=3, seed=1):
     """Every arm trains exactly ``max_update`` updates (no early stopping: patience on valid loss against the real
     references stops a distilled student early), validated every ``interval`` updates for its curve; evaluated on

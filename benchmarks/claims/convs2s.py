@@ -21,8 +21,8 @@ comparison. Translation speed, the paper's headline (Table 3), is timed for both
 import os
 
 from . import report as R
-from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, still_falling, train_job,
-                     trained, update_walls)
+from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, lr_pilots, still_falling,
+                     train_job, trained, update_walls)
 from .jobs import ClaimsError, Job
 from .report import pyplot, save_figure
 
@@ -108,22 +108,11 @@ class ConvS2S:
         return name
 
     def pilots(self):
-        """Each arm's learning rate on valid greedy BLEU: its grid (:data:`LRS`), then, while its best pilot is at
-        an edge of what it tried, one pilot x2 beyond that edge (at most :data:`EXTEND` per arm): the same rule
-        for both, so neither arm's choice is a grid's edge unless the extensions ran out."""
-        S = self.S
-        tried = {kind: list(lrs) for kind, lrs in LRS.items()}
-        for extension in range(EXTEND + 1):
-            names = {kind: [self.pilot(kind, lr) for lr in lrs] for kind, lrs in tried.items()}
-            S.run_all([f"{n}-eval" for ns in names.values() for n in ns])
-            scored = {n: S.result(f"{n}-eval")["bleu_valid_greedy"] for ns in names.values() for n in ns}
-            chosen = {kind: max(lrs, key=lambda lr, k=kind: (scored[f"convs2s-{k}-pilot-lr{lr}"], -lr))
-                      for kind, lrs in tried.items()}
-            edges = {kind: lr for kind, lr in chosen.items() if lr in (min(tried[kind]), max(tried[kind]))}
-            if not edges or extension == EXTEND:
-                break
-            for kind, lr in edges.items():
-                tried[kind] = sorted(tried[kind] + [lr * 2 if lr == max(tried[kind]) else lr / 2])
+        """Each arm's learning rate on valid greedy BLEU from its grid (:data:`LRS`) by :func:`common.lr_pilots`'s
+        rule (at most :data:`EXTEND` pilots past an edge)."""
+        chosen, by = lr_pilots(self.S, {k: list(v) for k, v in LRS.items()}, EXTEND,
+                               lambda kind, lr: self.pilot(kind, lr) + "-eval")
+        scored = {f"convs2s-{kind}-pilot-lr{lr}": b for (kind, lr), b in by.items()}
         self.ctx.say("convs2s: pilots on valid (greedy BLEU): " + ", ".join(f"{n[8:]} {b:.2f}" for n, b in
                                                                           scored.items())
                      + " -> " + ", ".join(f"{k} lr {lr}" for k, lr in chosen.items()))

@@ -11,7 +11,8 @@ warm restart; the teacher is the last round that gained at least ``--sat-teacher
 one before it, or the release itself), which is also where every student starts; the training set re-translated by
 it with beam 4. Every K of ``--sat-ks`` (K = 1: the same pipeline without the semi-autoregressive part) is
 trained twice, on the distilled targets and on the real ones, each recipe with the learning rate and
-initialisation its own K = 2 pilots chose (the same grid, the same pilot length, valid greedy BLEU), and every
+initialisation its own K = 2 pilots chose (the same grid, the same pilot length and rule past the grid's edges,
+valid greedy BLEU), and every
 student runs the same fixed number of updates (no early stopping: patience on the valid loss against the real
 references would stop the distilled students early), evaluated on the average of its last 3 checkpoints. The
 verdict per K takes the better recipe; both are reported.
@@ -21,15 +22,15 @@ import os
 
 from . import report as R
 from .common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, curve_cell, eval_job, fixed_budget_args,
-                     size_args, still_falling, train_job, trained)
+                     lr_pilots, size_args, still_falling, train_job, trained)
 from .jobs import Job
 
 RELEASE = os.path.join(RELEASE_DE_EN, "transformer.pt")
 PAPER = {"ratio_to_teacher": {"2": 26.90 / 27.11, "4": 25.71 / 27.11, "6": 24.83 / 27.11},
          "speedup_cpu": {"2": 2.28, "4": 2.76, "6": 3.72}, "teacher_bleu": 27.11}
 TARGET = {"2": 0.97, "4": 0.90}  # of the teacher's test BLEU (beam 4), the better recipe
-PILOT_LRS = (0.0005, 0.001, 0.002)
-PILOT_INITS = ("decoder", "paper")  # --sat-init-decoder (every weight from the teacher) / the paper's (Sec. 4.1)
+PILOT_LRS = (0.001, 0.002, 0.004)  # x2 apart; common.lr_pilots goes past an edge while the best is there
+EXTEND = 2  # at most this many pilots past an edge, per recipe and initialisation
 RECIPES = ("kd", "real")  # trained on the teacher's translations / on the real targets
 KEYS = ("bleu_valid_greedy", "bleu_valid_beam4", "bleu_test_greedy", "bleu_test_beam4")
 
@@ -38,6 +39,9 @@ def options(p):
     g = p.add_argument_group("sat")
     g.add_argument("--sat-max-update", type=int, default=8000, help="updates of every student (default 8000)")
     g.add_argument("--sat-pilot-updates", type=int, default=800, help="updates of each pilot (default 800)")
+    g.add_argument("--sat-pilot-inits", default="decoder", choices=("decoder", "paper", "decoder,paper"),
+                   help="initialisations the pilots try, each with the same learning rates (default decoder: every "
+                        "weight from the teacher; paper: its encoder and embeddings only, Sec. 4.1)")
     g.add_argument("--sat-ks", default="1,2,4,6", help="group sizes, each on distilled and real targets")
     g.add_argument("--sat-teacher", default=RELEASE, help="the teacher's starting point (default: the release)")
     g.add_argument("--sat-teacher-updates", type=int, default=8000,
@@ -131,31 +135,28 @@ class SAT:
                    ["data", *deps], threads=self.a.threads,
                    what="the training set re-translated by the teacher (beam 4)")
 
-    def pilots(self):
-        """The same K = 2 grid (initialisation x lr), pilot length and rule for both recipes."""
-        names = []
-        for recipe in RECIPES:
+    def pilot(self, recipe, init, lr):
+        """A K = 2 pilot of ``recipe`` from ``init`` at ``lr``; returns its evaluation's job name."""
+        name = f"sat-pilot-{recipe}-{init}-lr{lr}"
+        if name not in self.S.jobs:
             bin_dir, dep = self.bin_of(recipe)
-            for init in PILOT_INITS:
-                for lr in PILOT_LRS:
-                    name = f"sat-pilot-{recipe}-{init}-lr{lr}"
-                    argv = self.student_argv(2, lr, init, self.a.sat_pilot_updates)
-                    self.S.add(train_job(name, self.S, bin_dir, argv, [dep, *self.teacher_deps], {},
-                                         what=f"pilot K=2, {recipe}, init {init}, lr {lr}"))
-                    self.S.add(eval_job(f"{name}-eval", self.S, lambda S, n=name: S.result(n)["checkpoint"],
-                                        self.corpus, [("valid", 1)], [name]))
-                    names.append(name)
-        return names
+            argv = self.student_argv(2, lr, init, self.a.sat_pilot_updates)
+            self.S.add(train_job(name, self.S, bin_dir, argv, [dep, *self.teacher_deps], {},
+                                 what=f"pilot K=2, {recipe}, init {init}, lr {lr}"))
+            self.S.add(eval_job(f"{name}-eval", self.S, lambda S: S.result(name)["checkpoint"], self.corpus,
+                                [("valid", 1)], [name]))
+        return f"{name}-eval"
 
-    def choose(self, pilots):
-        """Per recipe, the (init, lr) of its best pilot by valid greedy BLEU; and every pilot's score."""
-        scored = {n: self.S.result(f"{n}-eval")["bleu_valid_greedy"] for n in pilots}
-        chosen = {}
-        for recipe in RECIPES:
-            best = max((b, n) for n, b in scored.items() if n.startswith(f"sat-pilot-{recipe}-"))[1]
-            _, _, _, init, lr = best.split("-", 4)
-            chosen[recipe] = (init, float(lr[2:]))
-        return chosen, scored
+    def pilots(self):
+        """The same K = 2 pilots for both recipes: per initialisation (``--sat-pilot-inits``) the learning rates of
+        :data:`PILOT_LRS` and :func:`common.lr_pilots`'s rule (at most :data:`EXTEND` past an edge); per recipe
+        the (init, lr) of its best pilot by valid greedy BLEU. Returns that and every pilot's score."""
+        inits = self.a.sat_pilot_inits.split(",")
+        grid = {(recipe, init): list(PILOT_LRS) for recipe in RECIPES for init in inits}
+        best_lr, by = lr_pilots(self.S, grid, EXTEND, lambda arm, lr: self.pilot(*arm, lr))
+        chosen = {recipe: max(((init, best_lr[(recipe, init)]) for init in inits),
+                              key=lambda il, r=recipe: by[((r, il[0]), il[1])]) for recipe in RECIPES}
+        return chosen, {f"sat-pilot-{r}-{i}-lr{lr}": b for ((r, i), lr), b in by.items()}
 
     def students(self, chosen):
         names = []
@@ -224,9 +225,7 @@ class SAT:
                      + f" -> the teacher is {teacher or 'the starting point'}"
                      + (" (the last round still gained)" if still_gaining else ""))
         S.add(self.kd_job(self.teacher_path_of, self.teacher_deps))
-        pilots = self.pilots()
-        S.run_all([f"{n}-eval" for n in pilots])
-        chosen, scored = self.choose(pilots)
+        chosen, scored = self.pilots()
         self.ctx.say("sat: pilots on valid (greedy BLEU): " + ", ".join(f"{n[10:]} {b:.2f}" for n, b in
                                                                          scored.items())
                      + " -> " + "; ".join(f"{r}: init {i}, lr {lr}" for r, (i, lr) in chosen.items()))
@@ -348,6 +347,9 @@ def _markdown(S, a, outcome, verdict, reason, tables, ev, teacher, fig6, prov_li
     chosen = "; ".join(f"{'distilled' if r == 'kd' else 'real'} targets: init **{c['init']}**, lr **{c['lr']}**"
                        for r, c in outcome["chosen"].items())
     teacher_line = _teacher_line(a, outcome)
+    inits = " and ".join(f"`{i}`" for i in a.sat_pilot_inits.split(","))
+    npilots = ", ".join(f"{sum(n.startswith(f'sat-pilot-{r}-') for n in outcome['pilots'])} pilots "
+                        f"{'distilled' if r == 'kd' else 'real'}" for r in RECIPES)
     return f"""## SAT: semi-autoregressive decoding (Wang et al., EMNLP 2018)
 
 **Claim** (Table 3, WMT'14 En-De, beam 4): with sequence-level distillation by the Transformer and initialisation
@@ -365,9 +367,11 @@ matters more as K grows (Figure 5); the cross-entropy rises with the position in
 The training set re-translated by it with beam 4 ({S.result('sat-kd-beam4')['pairs']} pairs). Every K trained on
 those distilled targets and on the real ones, {a.sat_max_update} updates each (no early stopping), adam,
 inverse_sqrt, warmup 200, label smoothing 0.1, 1,024 tokens a batch, validated every 500 updates, the last 3
-checkpoints averaged. Each recipe's initialisation and learning rate chosen by the same {len(PILOT_INITS) *
-len(PILOT_LRS)} K = 2 pilots of {a.sat_pilot_updates} updates on valid greedy BLEU: {chosen} (`decoder`: every
-weight from the teacher, `--sat-init-decoder`; `paper`: encoder and embeddings only). {prov_line}
+checkpoints averaged. Each recipe's initialisation and learning rate chosen by K = 2 pilots of
+{a.sat_pilot_updates} updates on valid greedy BLEU under one rule for both: initialisation {inits}, learning rates
+{', '.join(map(str, PILOT_LRS))}, then, while a recipe's best pilot is at an edge of the rates it tried, one more
+x2 beyond that edge (at most {EXTEND}; {npilots}): {chosen} (`decoder`: every weight from the teacher,
+`--sat-init-decoder`; `paper`: encoder and embeddings only; `--sat-pilot-inits` sets which are tried). {prov_line}
 
 ### BLEU (sacreBLEU; ratio = test beam 4 over the teacher)
 

@@ -436,6 +436,41 @@ def test_convs2s_pilots_go_past_a_grid_edge_by_one_rule_for_both_arms():
     assert chosen == {"fconv": 0.0625, "lstm": 0.000375} and tried["fconv"][:2] == [0.0625, 0.125]
 
 
+def test_sat_pilots_pick_init_and_lr_per_recipe_past_grid_edges():
+    import argparse
+
+    def score(recipe, init, lr):  # distilled: decoder init best at 0.008 (past the grid); real: paper init, 0.002
+        if recipe == "kd":
+            return (10.0 if init == "decoder" else 5.0) - abs(lr - 0.008) * 100
+        return (10.0 if init == "paper" else 5.0) - abs(lr - 0.002) * 100
+
+    class S:
+        results = {}
+
+        @classmethod
+        def run_all(cls, names):
+            for n in names:
+                _, _, recipe, init, lr = n[: -len("-eval")].split("-", 4)
+                cls.results[n] = {"bleu_valid_greedy": score(recipe, init, float(lr[2:]))}
+
+        @classmethod
+        def result(cls, n):
+            return cls.results[n]
+
+    sat = object.__new__(claims_sat.SAT)
+    sat.S, sat.a = S, argparse.Namespace(sat_pilot_inits="decoder,paper")
+    sat.pilot = lambda recipe, init, lr: f"sat-pilot-{recipe}-{init}-lr{lr}-eval"
+    chosen, scored = sat.pilots()
+    assert chosen == {"kd": ("decoder", 0.008), "real": ("paper", 0.002)}
+    tried = {k: sorted(float(n.split("-lr")[1]) for n in scored if n.startswith(f"sat-pilot-{k}-"))
+             for k in ("kd-decoder", "real-paper", "real-decoder")}
+    assert tried == {"kd-decoder": [0.001, 0.002, 0.004, 0.008, 0.016], "real-paper": [0.001, 0.002, 0.004],
+                     "real-decoder": [0.001, 0.002, 0.004]}
+    sat.a.sat_pilot_inits = "decoder"  # the default: one initialisation, three pilots a recipe unless extended
+    chosen, scored = sat.pilots()
+    assert chosen == {"kd": ("decoder", 0.008), "real": ("decoder", 0.002)} and len(scored) == 5 + 3
+
+
 def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
     import argparse
 
