@@ -64,15 +64,29 @@ def base_bias(V: int, pad: int, unk: int, unk_penalty: float, suppress, device) 
     return b
 
 
-def _greedy_choice(lprobs: Tensor, margin: float) -> Tuple[Tensor, Tensor, Tensor]:
+TOP_K_CHUNK = 64  # words per chunk of chunked_topk: the fastest of 32 / 64 / 128 on an 8,000-word row
+# The greedy choice's best two words per position go through chunked_topk (chunks of TOP_K_CHUNK words) from this
+# many rows x positions on; for one, topk is faster (python -m benchmarks.speed.beam_rows: 1.3-1.6x at 2 rows, ~5x at
+# 64, 0.8x at 1).
+GREEDY_CHUNKED_MIN_ROWS = 2
+
+
+def _greedy_choice(lprobs: Tensor, margin: float, chunk: int = TOP_K_CHUNK,
+                   min_rows: int = GREEDY_CHUNKED_MIN_ROWS) -> Tuple[Tensor, Tensor, Tensor]:
     """The best log-probability and word of each position [N, K] (``max``), and [N] whether a row's best and
     second best are closer than ``margin`` at a position (a near-tie: :data:`TIE_MARGIN`; never with 0)."""
     if margin <= 0.0:
         best_lp, best = lprobs.max(dim=-1)
         return best_lp, best, torch.zeros(lprobs.size(0), dtype=torch.bool, device=lprobs.device)
-    top = lprobs.topk(2, dim=-1)
-    best_lp, best = top.values[..., 0], top.indices[..., 0]
-    return best_lp, best, (best_lp - top.values[..., 1] < margin).any(dim=1)
+    N, K, V = lprobs.size(0), lprobs.size(1), lprobs.size(2)
+    flat = lprobs.reshape(N * K, V)
+    if N * K >= min_rows and V >= 2 * chunk:
+        values, index = chunked_topk(flat, 2, chunk)
+    else:
+        values, index = flat.topk(2, dim=1)
+    values, index = values.view(N, K, 2), index.view(N, K, 2)
+    best_lp, best = values[..., 0], index[..., 0]
+    return best_lp, best, (best_lp - values[..., 1] < margin).any(dim=1)
 
 
 def _greedy_pick(logits: Tensor, bias: Tensor, eos: int, margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -118,7 +132,6 @@ def _greedy_step(logits: Tensor, bias: Tensor, eos: int, tokens: Tensor, cum: Te
     return lprobs, status
 
 
-TOP_K_CHUNK = 64  # words per chunk of chunked_topk: the fastest of 32 / 64 / 128 on an 8,000-word row
 # The beam's top 2B over a sentence's P x V scores goes through chunked_topk from this many chunks on (beam 4 over
 # 8,000 words: 500 chunks, faster than topk; the first step's single row of 8,000: topk is faster), and never with
 # fewer chunks than candidates. python -m benchmarks.speed.beam_rows times both.

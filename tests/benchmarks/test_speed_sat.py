@@ -115,14 +115,18 @@ def test_random_init_needs_fixed_length():
 
 def test_bench_beam_rows_runs_and_checks_top_b():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.speed.beam_rows", "--vocab", "2048", "--rows", "2", "8",
-                           "--iters", "3"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+                           "--greedy-rows", "1", "3", "--iters", "3"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     flat = next(i for i, line in enumerate(lines) if line.startswith("K = 1 beam"))
+    greedy = next(i for i, line in enumerate(lines) if line.startswith("greedy:"))
     rows = [line.split() for line in lines[2:flat]]
     assert [r[0] for r in rows] == ["2", "8"] and all(len(r) == 6 for r in rows)
-    rows = [line.split() for line in lines[flat + 2:]]  # 2048 words: 32 chunks of a row, 128 of a beam of 4
+    rows = [line.split() for line in lines[flat + 2:greedy]]  # 2048 words: 32 chunks of a row, 128 of a beam of 4
     assert [r[0] for r in rows] == ["1", "4"] and all(len(r) == 4 for r in rows)
+    rows = [line.split() for line in lines[greedy + 2:]]  # topk, then chunks of 16 / 32 / 64: "us (ratio)" each
+    assert [r[0] for r in rows] == ["1", "3"] and all(len(r) == 2 + 2 * 3 for r in rows)
 
 
 def test_bench_kernels_runs_every_part():

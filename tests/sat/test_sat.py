@@ -522,6 +522,44 @@ def test_top_b_equals_topk():
             assert vals[1, 1, 0].isnan() and int(idx[1, 1, 0]) == V // 2
 
 
+def test_greedy_choice_of_many_rows_equals_topk(monkeypatch):
+    """The greedy choice takes its best two words per position through chunked_topk from 2 rows x positions on: the
+    values, words and near-tie flags of ``topk``'s (words where the best is unique), a NaN chosen first, an exact
+    tie flagged; scripted and as Python alike."""
+    from fairseq_ext.sat import step_rules
+
+    greedy_step = step_rules.scripted()[0]  # scripted before chunked_topk is wrapped below
+    assert isinstance(greedy_step, torch.jit.ScriptFunction)
+    calls = []
+    chunked = step_rules.chunked_topk
+    monkeypatch.setattr(step_rules, "chunked_topk", lambda *a: calls.append(1) or chunked(*a))
+    g = torch.Generator().manual_seed(0)
+    V, margin = 7840, 2e-5
+    for N, K in ((1, 1), (1, 2), (3, 1), (64, 1), (8, 4)):
+        calls.clear()
+        lprobs = torch.log_softmax(torch.randn(N, K, V, generator=g) * 3, dim=-1)
+        lprobs[0, 0, V - 1] = lprobs[0, 0].max() + 1.0  # the best word in the tail after the last chunk
+        if N > 1:
+            lprobs[1, 0, 7] = lprobs[1, 0, 9] = lprobs[1, 0].max() + 0.5  # an exact tie: a near-tie
+            lprobs[N - 1, K - 1, 100] = float("nan")
+        best_lp, best, near = step_rules._greedy_choice(lprobs, margin)
+        assert bool(calls) == (N * K >= 2), (N, K)
+        ref = lprobs.topk(2, dim=-1)
+        torch.testing.assert_close(best_lp, ref.values[..., 0], rtol=0, atol=0, equal_nan=True)
+        unique = (ref.values[..., 0] != ref.values[..., 1]) & ref.values[..., 0].isfinite()
+        assert torch.equal(best[unique], ref.indices[..., 0][unique])
+        assert torch.equal(near, (ref.values[..., 0] - ref.values[..., 1] < margin).any(dim=1))
+        if N > 1:
+            assert bool(near[1]) and best_lp[N - 1, K - 1].isnan() and int(best[N - 1, K - 1]) == 100
+        assert int(best[0, 0]) == V - 1
+        bias, cum = torch.zeros(1, V), torch.zeros(N, 8)
+        tokens = torch.zeros(N, 2 * K + 8, dtype=torch.long)
+        logits = lprobs.clone()
+        out_s = greedy_step(logits, bias, 2, tokens.clone(), cum.clone(), None, None, 0, margin)
+        out_p = step_rules._greedy_step(logits, bias, 2, tokens.clone(), cum.clone(), None, None, 0, margin)
+        assert torch.equal(out_s[1], out_p[1])
+
+
 def test_beam_candidates_of_long_rows_equal_topks(monkeypatch):
     """The K = 1 beam's top 2B + 1 over a sentence's P x V scores goes through chunked_topk for long rows: the same
     candidates as ``topk`` over the flat scores (values; parents and words where no two values tie), with a tail
