@@ -40,7 +40,7 @@ SPEED_TARGET = 5.0  # ConvS2S over the LSTM, CPU: the geometric mean over batch 
 
 def options(p):
     g = p.add_argument_group("convs2s")
-    g.add_argument("--convs2s-updates", type=int, default=14000, help="updates of every model (default 14000)")
+    g.add_argument("--convs2s-updates", type=int, default=17500, help="updates of every model (default 17500)")
     g.add_argument("--convs2s-pilot-updates", type=int, default=800, help="updates of each pilot (default 800)")
 
 
