@@ -55,11 +55,13 @@ def past_early_regime(verdict, reason, unflat, longer):
 def provenance(results, paper):
     """The code commits and seeds the given job results were computed with and what they cost (for claims.json),
     and the sentences for the section: results of several commits are never mixed without saying so. The cost is
-    each step's minutes times its threads (core-hours), summed over the steps."""
+    each step's minutes times its threads (core-hours), summed over the steps; a training resumed across runs counts
+    the minutes of every process that trained it (its ``train_minutes``), not only the last one's."""
     commits = sorted({r.get("code_commit", "unknown") for r in results})
     seeds = sorted({str(r["seed"]) for r in results if r.get("seed") is not None})
     timed = [r for r in results if r.get("minutes") is not None]
-    core_hours = round(sum(r["minutes"] * r.get("threads", 1) for r in timed) / 60, 2)
+    core_hours = round(sum(max(r["minutes"], r.get("train_minutes") or 0) * r.get("threads", 1) for r in timed)
+                       / 60, 2)
     line = ("All results of this section come from one version of the code" if len(commits) == 1 else
             f"**The results of this section come from {len(commits)} versions of the code**: steps finished "
             "earlier were kept when the code changed")

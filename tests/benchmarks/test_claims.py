@@ -157,6 +157,10 @@ def test_provenance_says_what_the_steps_cost():
                                           {"minutes": 15.0, "threads": 2, "code_commit": "a"},
                                           {"code_commit": "a"}], "x")
     assert rec["core_hours"] == 1.0 and "Cost: 1.0 core-hours of CPU over its 2 steps" in line
+    # a training resumed with a longer budget: its last process ran 10 minutes, the whole training 50
+    rec, _ = claims_report.provenance([{"minutes": 10.0, "train_minutes": 50.0, "threads": 1, "code_commit": "a"},
+                                       {"minutes": 10.0, "train_minutes": None, "threads": 1}], "x")
+    assert rec["core_hours"] == 1.0
     rec, line = claims_report.provenance([{"code_commit": "a"}], "x")
     assert rec["core_hours"] is None and "Cost" not in line
 
