@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq_ext.inference import aot_step
+from fairseq_ext.inference import aot_step, projection_kernel
 from fairseq_ext.inference.lean_decoder import _DynamicQuantizedLinear as DynamicQuantizedLinear
 from fairseq_ext.inference.lean_decoder import _stacked_int8 as stacked_int8
 from fairseq_ext.inference.lean_decoder import equal_runs, lean_refusal
@@ -488,16 +488,12 @@ class Step:
             "trace" if isinstance(self.graph, torch.jit.ScriptModule) else "eager"
 
 
-ONEDNN_MIN_ROWS = 2  # rows from which the output projection takes oneDNN's product
-
-
 class OutputProjection:
     """The vocabulary projection of a static call, outside the graph, each call through the faster of PyTorch's
-    products for its row count: MKL's for one row (weight ``[in, out]``), oneDNN's prepacked product from
-    :data:`ONEDNN_MIN_ROWS` rows (a beam, a SAT group, a batch: MKL's few-row products are several times slower
-    on these CPUs; ``python -m benchmarks.speed.decode --capture`` times both), PyTorch's int8 module as it is.
-    oneDNN's packed weight cannot live in a traced graph, hence outside. The sums are ordered differently by the
-    two kernels (~1e-6)."""
+    products for its row count on this CPU: MKL's (weight ``[in, out]``) or oneDNN's prepacked product, from the
+    row count :mod:`fairseq_ext.inference.projection_kernel` measured once per CPU (``onednn_from``; None: MKL
+    always), PyTorch's int8 module as it is. oneDNN's packed weight cannot live in a traced graph, hence outside.
+    The sums are ordered differently by the two kernels (~1e-6)."""
 
     def __init__(self, linear):
         self.module = None if type(linear) is torch.nn.Linear else linear  # int8 (static_refusal allows no other)
@@ -509,13 +505,21 @@ class OutputProjection:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
             except (RuntimeError, AttributeError):  # a PyTorch without this oneDNN entry point: MKL's only
                 self.packed = None
+        self.onednn_from = None if self.packed is None else projection_kernel.choose(
+            self.mkl, self.onednn, tuple(linear.weight.shape))
+
+    def mkl(self, x: Tensor) -> Tensor:
+        return torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+
+    def onednn(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.module is not None:
             return self.module(x)
-        if self.packed is not None and x.size(0) >= ONEDNN_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        if self.onednn_from is not None and x.size(0) >= self.onednn_from:
+            return self.onednn(x)
+        return self.mkl(x)
 
 
 def example_inputs(module: StepGraph, decoder, N: int = 2, B: int = 2, S: int = 5, T: int = LENGTH_BUCKET):
