@@ -90,7 +90,7 @@ def _bleu(v):
 
 
 def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), (1, 26.0), (2, 26.1)),
-                still_gaining=False):
+                still_gaining=False, edit=None):
     """The SAT report from fabricated results: K -> test/valid BLEU of the distilled and the real-target student."""
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w")])
@@ -114,6 +114,8 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
     png = tmp_path / "w" / "sat_position_ce.png"
     png.parent.mkdir(parents=True, exist_ok=True)
     png.write_bytes(b"\x89PNG")
+    if edit:
+        edit(S)
     ctx = type("Ctx", (), {"S": S, "args": args})()
     outcome = {"students": students, "chosen": {"kd": {"init": "decoder", "lr": 0.001},
                                                 "real": {"init": "paper", "lr": 0.002}},
@@ -132,8 +134,11 @@ def test_sat_report_takes_the_better_recipe_per_k_and_says_why(tmp_path):
     assert rec["ratio_to_teacher"] == {"2": 0.98, "4": 0.85, "6": 0.6}
     assert rec["ratio_to_teacher_by_recipe"]["2"] == {"kd": 0.9, "real": 0.98}
     assert rec["verdict"] == "partly reproduced"
-    assert "K = 2: 98% of the teacher's test BLEU (distilled 90% / real 98%; target 97%, met)" in rec["reason"]
-    assert "K = 4: 85% of the teacher's test BLEU (distilled 85% / real 75%; target 90%, missed)" in rec["reason"]
+    assert ("K = 2: 98% of the teacher's test BLEU, real targets, the better on valid (distilled 90% / real 98%; "
+            "target 97%, met)") in rec["reason"]
+    assert ("K = 4: 85% of the teacher's test BLEU, distilled targets, the better on valid (distilled 85% / real 75%; "
+            "target 90%, missed)") in rec["reason"]
+    assert rec["recipe_by_valid"] == {"2": "real", "4": "kd", "6": "real"}
     assert "-1.60 at K = 2" in rec["reason"]  # distilled minus real-target student, valid beam 4
     assert "| K=2 | 12.0 | 48.0 | 2.00x | 2.00x | 5.00x | 5.00x | 2.28x |" in md  # beside the paper's CPU Table 5
     assert "| K=4, real targets | 15.00 | 15.00 | 15.00 | 15.00 | 8000 | 0.2% | 75% | - |" in md
@@ -149,6 +154,22 @@ def test_sat_report_takes_the_better_recipe_per_k_and_says_why(tmp_path):
     rec, _ = _sat_report(tmp_path / "k2", kd={2: 19.6}, real={2: 19.0})
     assert rec["verdict"] == "partly reproduced" and rec["ratio_to_teacher"] == {"2": 0.98}
     assert "Not run here (--sat-ks 1,2,4,6): K = 4, so its target is not tested." in rec["reason"]
+
+
+def test_sat_report_picks_the_recipe_on_valid_and_reads_its_ratio_on_test(tmp_path):
+    # the real-target student is better on valid, the distilled one on test: the verdict reads the real one's test
+    # ratio (choosing on test would have met the target)
+    def valid_favours_real(S):
+        for K in (2, 4):
+            S.results[f"sat-k{K}-real-eval"]["bleu_valid_beam4"] = 30.0
+            S.results[f"sat-k{K}-kd-eval"]["bleu_valid_beam4"] = 29.0
+
+    rec, md = _sat_report(tmp_path, kd={1: 20.0, 2: 19.6, 4: 18.2}, real={1: 19.0, 2: 19.0, 4: 17.0},
+                          edit=valid_favours_real)
+    assert rec["recipe_by_valid"] == {"2": "real", "4": "real"}
+    assert rec["ratio_to_teacher"] == {"2": 0.95, "4": 0.85} and rec["verdict"] == "not reproduced"
+    assert "K = 2: 95% of the teacher's test BLEU, real targets, the better on valid (distilled 98% / real 95%" \
+        in rec["reason"]
 
 
 def test_provenance_says_what_the_steps_cost():
