@@ -10,8 +10,9 @@ rows from which oneDNN takes the call, or None (MKL always). The measurement tak
 line; every later run on the machine reads it.
 
 The answer lives in ``projection_kernel.json`` of :func:`fairseq_ext.inference.aot_step.cache_dir` (the static
-step's cache), keyed by the CPU (model name, PyTorch's dispatch capability, machine), the PyTorch version and the
-weight's shape. Only a row count of :data:`ROWS` or null is read back; anything else in the file is measured again.
+step's cache), keyed by the CPU (model name, a digest of its feature flags and cache size, PyTorch's dispatch
+capability, machine), the PyTorch version and the weight's shape. Only a row count of :data:`ROWS` (an integer) or
+null is read back; anything else in the file is measured again.
 The two products order their float32 sums differently (differences ~1e-6), which the searches' near-tie guard
 covers (``fairseq_ext.sat.step_rules.TIE_MARGIN``).
 """
@@ -105,6 +106,7 @@ def _read(path: str) -> dict:
 def _write(d: str, path: str, data: dict) -> None:
     """``data`` into ``path``, written under another name and renamed (a reader never sees half a file); a cache
     that cannot be written is left as it is (the choice is measured again next time)."""
+    tmp = None
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".projection-", dir=d)
@@ -113,6 +115,8 @@ def _write(d: str, path: str, data: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:
         logger.info(f"static step: the projection's kernel choice is not cached ({d}: {e.strerror})")
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def choose(mkl: Callable[[torch.Tensor], torch.Tensor], onednn: Callable[[torch.Tensor], torch.Tensor],
@@ -124,7 +128,7 @@ def choose(mkl: Callable[[torch.Tensor], torch.Tensor], onednn: Callable[[torch.
     entry = f"{cpu_key()}|{shape[0]}x{shape[1]}"
     safe = aot_step.unsafe_cache(d) is None
     data = _read(path) if safe else {}
-    if entry in data and (data[entry] is None or data[entry] in ROWS):
+    if entry in data and (data[entry] is None or (type(data[entry]) is int and data[entry] in ROWS)):
         return data[entry]
     times = measure(mkl, onednn, shape[1])
     start = onednn_from(times)

@@ -56,7 +56,8 @@ def test_the_choice_is_measured_once_and_read_back(cache, monkeypatch):
     assert oct(os.stat(cache.parent).st_mode & 0o777) == "0o700"
 
 
-@pytest.mark.parametrize("stored", ['{"KEY": 3}', '{"KEY": "onednn"}', '{"KEY": [2]}', "[1, 2]", "{not json"])
+@pytest.mark.parametrize("stored", ['{"KEY": 3}', '{"KEY": "onednn"}', '{"KEY": [2]}', '{"KEY": true}', "[1, 2]",
+                                    "{not json"])
 def test_a_cache_entry_that_is_no_answer_is_measured_again(cache, monkeypatch, stored):
     cache.parent.mkdir(parents=True, mode=0o700)
     cache.write_text(stored.replace("KEY", f"{pk.cpu_key()}|7840x128"))
