@@ -22,12 +22,12 @@ import json
 import logging
 import os
 import platform
-import tempfile
 import time
 from typing import Callable, Dict, Optional
 
 import torch
 
+from fairseq_ext.checkpoints.saving import atomic_write
 from fairseq_ext.inference import aot_step
 
 logger = logging.getLogger(__name__)
@@ -104,19 +104,18 @@ def _read(path: str) -> dict:
 
 
 def _write(d: str, path: str, data: dict) -> None:
-    """``data`` into ``path``, written under another name and renamed (a reader never sees half a file); a cache
-    that cannot be written is left as it is (the choice is measured again next time)."""
-    tmp = None
+    """``data`` into ``path`` through the package's atomic write (a reader never sees half a file); a cache that
+    cannot be written is left as it is (the choice is measured again next time)."""
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".projection-", dir=d)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: _dump(data, tmp))
     except OSError as e:
         logger.info(f"static step: the projection's kernel choice is not cached ({d}: {e.strerror})")
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+
+
+def _dump(data: dict, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
 
 
 def choose(mkl: Callable[[torch.Tensor], torch.Tensor], onednn: Callable[[torch.Tensor], torch.Tensor],
