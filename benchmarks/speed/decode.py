@@ -107,9 +107,11 @@ def contenders(args, data):
         m, sat_task = load(path, data)
         cs.append(Contender(name, int(m.decoder.group_size), "sat", model=m,
                             make_gen=lambda beam, m=m, t=sat_task: t.build_generator([m], gen_args(beam))))
+    task.load_dataset("test")
+    first = task.dataset("test").collater([task.dataset("test")[0]])
     for c in cs:
         if c.family != "fairseq" and c.name != "lean":
-            compiled_step(c.name, c.model)
+            compiled_step(c, first)
     if not args.no_int8:
         q = apply_speedups(copy.deepcopy(tr), "int8-decoder")
         cs.append(Contender("int8", 1, "ours", variant="int8", model=q,
@@ -120,23 +122,29 @@ def contenders(args, data):
     return cs, task
 
 
-def compiled_step(name, model):
-    """Waits for the static step of ``model`` compiled ahead of time (``fairseq_ext/inference/aot_step.py``: a
-    background compile on the first run, the disk cache after), so that every search timed runs on it; prints
-    which capture the step runs on."""
+def compiled_step(c, sample):
+    """Waits for the static step of contender ``c``'s model compiled ahead of time (``fairseq_ext/inference/
+    aot_step.py``: a background compile on the first run, the disk cache after), then for its greedy and beam 4
+    searches' graphs (``fairseq_ext.sat.search_graph.py``, started by a first search of ``sample``), so that
+    every search timed runs on them; prints which capture the step runs on."""
     from fairseq_ext.inference import aot_step
+    from fairseq_ext.sat import search_graph
     from fairseq_ext.inference import static_step as ss
 
-    if ss.static_refusal(model) is not None:
+    if ss.static_refusal(c.model) is not None:
         return
-    step = ss.step_graph(model.decoder)
+    step = ss.step_graph(c.model.decoder)
+    t0 = time.perf_counter()
     if isinstance(step.compiled, aot_step.Pending):
-        t0 = time.perf_counter()
         step.compiled.wait()
         step.refresh()
-        print(f"{name}: static step compiled ahead of time in {time.perf_counter() - t0:.0f} s (cached for the next "
-              f"run)", flush=True)
-    print(f"{name}: static step {step.capture}", flush=True)
+    for beam in (1, 4):
+        c.decode(sample, beam, {})
+    search_graph.wait(step)
+    if time.perf_counter() - t0 > 5:
+        print(f"{c.name}: static step and search graphs compiled ahead of time in {time.perf_counter() - t0:.0f} s "
+              f"(cached for the next run)", flush=True)
+    print(f"{c.name}: static step {step.capture}", flush=True)
 
 
 def batches(task, n, bsz):

@@ -14,12 +14,12 @@ started) or ``eager`` (the module op by op, nothing traced). ``FAIRSEQ_EXT_CACHE
 ``$XDG_CACHE_HOME/fairseq_ext``, else ``~/.cache/fairseq_ext``); packages live in its ``static_step/``.
 
 A package's name is a hash of what it computes: the graph module's weights (their bytes), settings and fixed input
-sizes (K positions a call, layers, heads), the source
-of the files that define it, the PyTorch and Python versions, the machine and the CPU capability PyTorch
-dispatches to (a package compiled for AVX-512 is never loaded on a CPU without it). A package that fails to load is
-removed and compiled again; a compile that failed leaves ``KEY.failed`` (its log) and is not retried. The packages
-are shared libraries that this process loads and runs: the cache directory is made ``0o700``, and one that another
-user owns or others can write into is neither read nor written (one log line). int8 graphs stay traced.
+sizes (K positions a call, layers, heads), the source of the files that define it (and of those its
+``source_files`` name), the PyTorch and Python versions, the machine and the CPU capability PyTorch dispatches to
+(a package compiled for AVX-512 is never loaded on a CPU without it). A package that fails to load is removed and
+compiled again; a compile that failed leaves ``KEY.failed`` (its log) and is not retried. The packages are shared
+libraries that this process loads and runs: the cache directory is made ``0o700``, and one that another user owns
+or others can write into is neither read nor written (one log line). int8 graphs stay traced.
 
 The compiled graph takes its inputs contiguous (the state keeps its caches so) and writes the caches in place as the
 traced one does; its sums are ordered by its own kernels (differences ~1e-6, within the searches' near-tie margin:
@@ -100,7 +100,7 @@ def package_key(module: torch.nn.Module, example) -> str:
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|"
              f"{torch.backends.cpu.get_cpu_capability()}".encode())
     files = {__file__} | {inspect.getfile(c) for m in module.modules() for c in type(m).__mro__
-                          if c.__module__.startswith("fairseq_ext")}
+                          if c.__module__.startswith("fairseq_ext")} | set(getattr(module, "source_files", ()))
     for f in sorted(files):
         with open(f, "rb") as fh:
             h.update(fh.read())
@@ -113,7 +113,8 @@ def package_key(module: torch.nn.Module, example) -> str:
 def dynamic_shapes(example):
     """Which dimensions of the step's inputs vary (module docstring of static_step: rows N, cache length T,
     sources B, memory lengths S): every dimension of the inputs that are not empty, but the positions (K), the
-    layers, heads and head width, which ``torch.export`` keeps static (``Dim.AUTO``)."""
+    layers, heads and head width, which ``torch.export`` keeps static (``Dim.AUTO``). A module with inputs of its
+    own says which of them vary (its ``dynamic_shapes(example)``)."""
     from torch.export import Dim
 
     tokens, idx, *rest = example
@@ -133,12 +134,17 @@ class AOTGraph:
         self._run = self.loader.run
 
     def forward(self, *inputs):
+        """A step graph's call (the caches, inputs 2 and 3, written in place)."""
         flat = [t if t.is_contiguous() else t.contiguous() for t in inputs]
         out = self._run(flat)
         for i in (2, 3):  # the caches are written in place
             if flat[i] is not inputs[i]:
                 inputs[i].copy_(flat[i])
-        return out[0], out[1]
+        return tuple(out)
+
+    def run(self, *inputs):
+        """A graph's call that writes none of its inputs."""
+        return tuple(self._run([t if t.is_contiguous() else t.contiguous() for t in inputs]))
 
     __call__ = forward
 
@@ -281,7 +287,8 @@ def compile_package(work: str, path: str) -> None:
     from torch._inductor import aoti_compile_and_package
 
     with torch.no_grad():
-        ep = torch.export.export(module, example, dynamic_shapes=dynamic_shapes(example), strict=False)
+        shapes = module.dynamic_shapes(example) if hasattr(module, "dynamic_shapes") else dynamic_shapes(example)
+        ep = torch.export.export(module, example, dynamic_shapes=shapes, strict=False)
         tmp = os.path.join(work, "package.pt2")
         aoti_compile_and_package(ep, package_path=tmp)
     os.replace(tmp, path)

@@ -441,8 +441,8 @@ def step_graph(decoder) -> "Step":
     step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
     # compiled ahead of time where it can be (module docstring); the example has distinct sizes for rows, sources,
     # memory and cache lengths, none of them 1: torch.export keeps each dynamic and apart
-    step.compiled = aot_step.start(aot_module(module), example_inputs(module, decoder, N=6, B=3, S=7,
-                                                                      T=3 * LENGTH_BUCKET))
+    step.module = aot_module(module)  # what AOTInductor compiles (and fairseq_ext.sat.search_graph)
+    step.compiled = aot_step.start(step.module, example_inputs(module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET))
     step.refresh()
     _GRAPHS[decoder] = (key, step)
     return step
@@ -465,7 +465,7 @@ class Step:
 
     def __init__(self, graph, output: "OutputProjection"):
         self.graph, self.output = graph, output
-        self.compiled = None
+        self.compiled = self.module = None
 
     def refresh(self) -> None:
         """Takes the compiled graph once its package is ready (checked once per search)."""

@@ -24,7 +24,8 @@ A plain fairseq ``transformer`` is decoded as K = 1.
 
 On the static decoder step (:mod:`fairseq_ext.inference.static_step`, the default on a CPU in float32) the greedy
 search and the K = 1 beam search run each step's rules, choice and writes as TorchScript functions
-(:mod:`fairseq_ext.sat.step_rules`), and fairseq's own encoder runs traced
+(:mod:`fairseq_ext.sat.step_rules`), or, once compiled, as one graph with the greedy step or after the beam's
+projection (:mod:`fairseq_ext.sat.search_graph`), and fairseq's own encoder runs traced
 (:mod:`fairseq_ext.inference.static_encoder`); the hypotheses are the op-by-op searches'.
 """
 
@@ -49,7 +50,7 @@ from fairseq_ext.inference.lean_decoder import (float32_on_cpu, holds_encoder_st
 from fairseq_ext.inference.static_encoder import encoder_refusal, static_encode
 from fairseq_ext.inference.static_step import STATE_KEY as STATIC_KEY
 from fairseq_ext.inference.static_step import StaticState, static_call, static_logits, static_refusal, step_graph
-from fairseq_ext.sat import step_rules
+from fairseq_ext.sat import search_graph, step_rules
 from fairseq_ext.sat.group_step import GroupStep
 
 _FAIRSEQ_REORDER_WALK = FairseqIncrementalDecoder.reorder_incremental_state_scripting
@@ -124,15 +125,28 @@ class SATEnsembleModel(EnsembleModelWithAlignment):
         """The decoder step that calls take now: "static", "lean" or "own"."""
         return "static" if self.uses_static_step else "lean" if self.uses_lean_step else "own"
 
-    def _static_group(self, call, decoder_input, encoder_out, incremental_state, temperature: float):
-        K = self.group_size
+    def static_state(self, encoder_out, incremental_state, rows: int) -> StaticState:
+        """The static step's state of a search (made by its first call) and, as ``state.step``, the step."""
         state = incremental_state.get(STATIC_KEY)
         if state is None:
-            state = incremental_state[STATIC_KEY] = StaticState(
-                self.single_model.decoder, encoder_out, decoder_input.size(0))
+            state = incremental_state[STATIC_KEY] = StaticState(self.single_model.decoder, encoder_out, rows)
             state.step = step_graph(self.single_model.decoder)
+        return state
+
+    def _static_group(self, call, decoder_input, encoder_out, incremental_state, temperature: float):
+        K = self.group_size
+        state = self.static_state(encoder_out, incremental_state, decoder_input.size(0))
         first = decoder_input.size(1) - K
         return call(state.step, state, decoder_input[:, first:], first, temperature)
+
+    def decode_greedy(self, graph, decoder_input, encoder_out, incremental_state, rule_bias: Tensor):
+        """A greedy step on its compiled graph ``graph`` (:mod:`fairseq_ext.sat.search_graph`): the graph's
+        outputs for the K uncached positions of ``decoder_input`` (as :meth:`decode_group` takes it)."""
+        K = self.group_size
+        self.decoder_calls += 1
+        state = self.static_state(encoder_out, incremental_state, decoder_input.size(0))
+        first = decoder_input.size(1) - K
+        return search_graph.greedy_call(graph, state, decoder_input[:, first:], first, rule_bias)
 
     def decode_logits(self, decoder_input, encoder_out, incremental_state, temperature: float = 1.0):
         """:meth:`decode_group` on the static step (``uses_static_step``), returning the logits [N, K, V] (divided
@@ -318,26 +332,40 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         k_index = torch.arange(K, device=tokens.device)
         rules = self._scripted_rules(tokens.device)
+        fused = None  # the compiled greedy graph, where it is ready (fairseq_ext.sat.search_graph)
+        if rules is not None:
+            step_of = self.model.static_state(encoder_outs[0], state, bsz).step
+            fused = search_graph.ready(step_of, self.model.single_model.decoder, self.eos, self._tie_margin)
+            every_bias = self._base_bias.expand(K, self.vocab_size).contiguous()  # the rules' row at each position
         for step in range(0, n_steps, K):
-            # the static step at few rows: logits, then the rules, the choice and the writes in one scripted call
-            scripted = rules is not None and tokens.size(0) <= step_rules.SCRIPTED_MAX_ROWS
-            decode = self.model.decode_logits if scripted else self.model.decode_group
-            out, group_attn = decode(tokens[:, : step + K], encoder_outs[0], state, self.temperature)
-            if group_attn is not None and attn is None:
-                attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
-            if scripted:
-                lprobs, status = rules[0](out, self._rule_bias(step, max_len), self.eos, tokens, cum, attn,
-                                          group_attn, step, self._tie_margin)
-            else:
-                lprobs = self._constrain(out, step, max_len)
-                best_lp, best, near = step_rules._greedy_choice(lprobs, self._tie_margin)  # [n, K], [n]
-                # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
-                # _constrain)
-                first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
-                if best_lp.is_cpu:
-                    first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
+            if search_graph.applies(fused, tokens.size(0) * K, self.temperature):
+                # the decoder step, the projection, the rules and the choice in one compiled call
+                bias = self._rule_bias(step, max_len)
+                lprobs, best_lp, best, status, group_attn = self.model.decode_greedy(
+                    fused, tokens[:, : step + K], encoder_outs[0], state, bias if bias.size(0) == K else every_bias)
+                if attn is None:
+                    attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
                 step_rules._greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
-                status = torch.cat([first_eos, near.long()])
+            else:
+                # the static step at few rows: logits, then the rules, the choice and the writes in one scripted call
+                scripted = rules is not None and tokens.size(0) <= step_rules.SCRIPTED_MAX_ROWS
+                decode = self.model.decode_logits if scripted else self.model.decode_group
+                out, group_attn = decode(tokens[:, : step + K], encoder_outs[0], state, self.temperature)
+                if group_attn is not None and attn is None:
+                    attn = torch.zeros(bsz, src_len, n_steps, dtype=torch.float, device=tokens.device)
+                if scripted:
+                    lprobs, status = rules[0](out, self._rule_bias(step, max_len), self.eos, tokens, cum, attn,
+                                              group_attn, step, self._tie_margin)
+                else:
+                    lprobs = self._constrain(out, step, max_len)
+                    best_lp, best, near = step_rules._greedy_choice(lprobs, self._tie_margin)  # [n, K], [n]
+                    # the first EOS of each row's group (K if none), K + 1 where a selected value is NaN (CPU: see
+                    # _constrain)
+                    first_eos = torch.where(best.eq(self.eos), k_index, K).amin(dim=1)
+                    if best_lp.is_cpu:
+                        first_eos.masked_fill_(best_lp.isnan().any(dim=1), K + 1)
+                    step_rules._greedy_advance(tokens, cum, attn, best, best_lp, group_attn, step)
+                    status = torch.cat([first_eos, near.long()])
             status = status.tolist()  # the only host read of the step
             ends = status[: len(alive)]
             self._near_ties.update(alive[row] for row, v in enumerate(status[len(alive):]) if v)
@@ -380,6 +408,10 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         # on the static step (and without n-gram blocking), at few rows, the step's rules, choice and bookkeeping
         # are scripted
         rules = self._scripted_rules(dev) if self.repeat_ngram_blocker is None else None
+        fused = None  # the compiled beam graph (rows of B parents), where it is ready
+        if rules is not None:
+            step_of = self.model.static_state(encoder_outs[0], state, tokens.size(0)).step
+            fused = search_graph.ready(step_of, self.model.single_model.decoder, eos, self._tie_margin, beam=B)
         for step in range(n_steps):
             n = len(sents)
             k = min(2 * B, P * self.vocab_size - 1)
@@ -388,8 +420,11 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             if scripted:
                 logits, step_attn = self.model.decode_logits(tokens[:, : step + 1], encoder_outs[0], state,
                                                              self.temperature)
-                lprobs, cand_sc, parents, words, finite_eos, active, status = rules[1](
-                    logits, self._rule_bias(step, max_len), scores, n, P, k, B, eos, self._tie_margin)
+                # the rules and the candidates: compiled (rows of B parents, where ready) or scripted
+                candidates = fused.run if fused is not None and P == B \
+                    else lambda *a: rules[1](*a, n, P, k, B, eos, self._tie_margin)
+                lprobs, cand_sc, parents, words, finite_eos, active, status = candidates(
+                    logits, self._rule_bias(step, max_len), scores)
                 status = status.tolist()  # the host read of the step
                 if status[n * B]:  # a NaN among the top k: the step again on the corrected distributions
                     status = None

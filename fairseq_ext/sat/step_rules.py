@@ -89,12 +89,13 @@ def _greedy_choice(lprobs: Tensor, margin: float, chunk: int = TOP_K_CHUNK,
     return best_lp, best, (best_lp - values[..., 1] < margin).any(dim=1)
 
 
-def _greedy_pick(logits: Tensor, bias: Tensor, eos: int, margin: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _greedy_pick(logits: Tensor, bias: Tensor, eos: int, margin: float, min_rows: int = GREEDY_CHUNKED_MIN_ROWS,
+                 chunk: int = TOP_K_CHUNK) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """logits [N, K, V] -> (log-probabilities after the rules [N, K, V], the best of each position and its word
     [N, K], and a status [2N]: the first EOS among each row's K words (K where none; K + 1 where a chosen value is
-    NaN), then each row's near-tie flag (:func:`_greedy_choice`))."""
+    NaN), then each row's near-tie flag (:func:`_greedy_choice`, chunked maxima from ``min_rows`` rows))."""
     lprobs = torch.log_softmax(logits, dim=-1).add_(bias)
-    best_lp, best, near = _greedy_choice(lprobs, margin)
+    best_lp, best, near = _greedy_choice(lprobs, margin, chunk, min_rows)
     K = best.size(1)
     ends = torch.where(best == eos, torch.arange(K, device=best.device), K).amin(dim=1)
     ends = ends.masked_fill(best_lp.isnan().any(dim=1), K + 1)

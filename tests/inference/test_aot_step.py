@@ -16,6 +16,7 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_ext.common.errors import FairseqExtError
 from fairseq_ext.inference import aot_step
 from fairseq_ext.inference import static_step as ss
+from fairseq_ext.sat import search_graph, step_rules
 from fairseq_ext.sat.generator import SATSequenceGenerator
 from tests.builders import SAT_DICT as DICT
 from tests.builders import sat_model, sat_sample
@@ -186,3 +187,93 @@ def test_the_compiled_modules_explicit_attention_equals_the_fused_kernel():
         ours = explicit(*[t.clone() for t in example])
     assert_close(ours[0], fused[0], atol=1e-5)
     assert_close(ours[1], fused[1], atol=1e-5)
+
+
+# -- the searches' graphs (fairseq_ext.sat.search_graph.py) ----------------------------------------------------
+def search_graphs(m, beam=0, margin=0.0):
+    """The compiled greedy (beam 0) or beam graph of ``m``'s step: started (in the background) and waited for."""
+    step = ss.step_graph(m.decoder)
+    args = (step, m.decoder, DICT.eos(), margin)
+    search_graph.ready(*args, beam=beam)
+    search_graph.wait(step)
+    graph = search_graph.ready(*args, beam=beam)
+    assert isinstance(graph, aot_step.AOTGraph)
+    return step, graph
+
+
+@slow
+@pytest.mark.parametrize("name", ["transformer", "sat K=2"])
+def test_greedy_graph_equals_the_step_the_projection_and_the_scripted_rules(compiled, name):
+    """Two rows, one padded source, a cache with positions before: the compiled greedy step gives the
+    log-probabilities of the three calls it replaces (1e-5), the same words, status and caches."""
+    m = compiled[name]
+    K = int(getattr(m.decoder, "group_size", 1))
+    step, graph = search_graphs(m)
+    src, lengths, prev = batch(bsz=2, tgt_len=3 * K)
+    bias = step_rules.rule_bias(torch.zeros(1, len(DICT)), DICT.eos(), 0, K, 100, 0).expand(K, -1).contiguous()
+    bias[:, DICT.pad()] = float("-inf")
+    results = []
+    for fused in (False, True):
+        with torch.no_grad():
+            state = ss.StaticState(m.decoder, m.encoder(src, lengths), 2)
+            ss.static_logits(step, state, prev[:, :K], 0)  # a first group, through the step
+            if fused:
+                lprobs, best_lp, best, status, attn = search_graph.greedy_call(graph, state, prev[:, K: 2 * K], K,
+                                                                               bias)
+            else:
+                logits, attn = ss.static_logits(step, state, prev[:, K: 2 * K], K)
+                lprobs, best_lp, best, status = step_rules._greedy_pick(logits, bias, DICT.eos(),
+                                                                        0.0)
+        results.append((lprobs, best_lp, best, status, attn, state.k.clone(), state.v.clone()))
+    (lp0, b0, w0, s0, a0, k0, v0), (lp1, b1, w1, s1, a1, k1, v1) = results
+    assert_close(lp1, lp0, atol=1e-5)
+    assert_close(b1, b0, atol=1e-5)
+    assert_close(a1, a0, atol=1e-5)
+    assert_close(k1, k0, atol=1e-5) and assert_close(v1, v0, atol=1e-5)
+    assert torch.equal(w1, w0) and torch.equal(s1, s0)
+
+
+@slow
+def test_beam_graph_equals_the_scripted_candidates(compiled):
+    """Two sentences of a beam of 3 over logits with an EOS among the best: the compiled candidates equal the scripted
+    ones (scores 1e-5; parents, words, EOS flags, active rows and status exactly)."""
+    step, graph = search_graphs(compiled["transformer"], beam=3)
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, 1, len(DICT), generator=g)
+    logits[1, 0, DICT.eos()] = 8.0
+    scores = -torch.rand(6, generator=g)
+    bias = torch.zeros(1, len(DICT))
+    bias[0, DICT.pad()] = float("-inf")
+    k = 6
+    ref = step_rules.scripted()[1](logits, bias, scores, 2, 3, k, 3, DICT.eos(), 0.0)
+    ours = graph.run(logits, bias, scores)
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a.is_floating_point():
+            assert_close(a, b, atol=1e-5)
+        else:
+            assert torch.equal(a, b), i
+
+
+@slow
+@pytest.mark.parametrize("beam", [1, 3])
+def test_generator_on_the_searches_graphs_gives_fairseqs_hypotheses(compiled, beam, monkeypatch):
+    """The default generator with its search's graph ready takes it at every step but the beam's first, and
+    decodes fairseq's hypotheses."""
+    m = compiled["transformer"]
+    step, _ = search_graphs(m, beam=0 if beam == 1 else beam)
+    calls = []
+    real = aot_step.AOTGraph.run if beam > 1 else search_graph.greedy_call
+    if beam > 1:
+        monkeypatch.setattr(aot_step.AOTGraph, "run", lambda self, *a: calls.append(1) or real(self, *a))
+    else:
+        monkeypatch.setattr(search_graph, "greedy_call", lambda *a: calls.append(1) or real(*a))
+    src, lengths, _ = batch(bsz=3, src_len=9)
+    sample = sat_sample(src, lengths)
+    ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    a = ours.generate([m], sample)
+    with torch.no_grad():
+        b = ref.generate([m], sample)
+    assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
+    assert len(calls) == ours.model.decoder_calls - (beam > 1)

@@ -1,0 +1,145 @@
+"""A search's whole step as one compiled graph: the static decoder step, the vocabulary projection, fairseq's rules
+and the choice of words (greedy, or the beam's candidates).
+
+With the static step compiled (:mod:`fairseq_ext.inference.aot_step`), a search step at few rows still runs three
+calls: the compiled decoder step, the vocabulary projection from Python (:class:`~fairseq_ext.inference.
+static_step.OutputProjection`), and fairseq's rules and choice as a TorchScript function of
+:mod:`fairseq_ext.sat.step_rules` (the log-softmax, the rules' row, the best words, the EOS and near-tie status:
+~20 small operations through TorchScript's interpreter). :class:`GreedyGraph` and :class:`BeamGraph` are the same
+step module, the same product and the same rules' code as one module, which AOTInductor compiles into one call
+(``python -m benchmarks.speed.decode`` times the searches).
+
+Each is compiled like the step (the same cache, package key and background process), once the step's own package
+is ready (one compile at a time on the machine), and only for float32 steps; a beam graph per beam size, for the
+steps after the first (the first has one row per sentence). Until a graph is ready, and where it does not apply
+(int8, a capture mode other than ``aot``, a temperature other than 1, more positions a call than
+:data:`~fairseq_ext.inference.static_step.AOT_MAX_POSITIONS`), the search runs the three calls. The greedy graph
+takes ``topk`` for the best two words at every row count (the scripted rules switch to chunked maxima from 2 rows):
+the same values, the same word but among exactly equal values, which the near-tie margin already sends to fairseq's
+generator.
+"""
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fairseq_ext.inference import aot_step
+from fairseq_ext.inference.static_step import AOT_MAX_POSITIONS, LENGTH_BUCKET, Step, StaticState, example_inputs
+from fairseq_ext.sat import step_rules
+
+_NO_CHUNKS = 1 << 30  # _greedy_pick's row count from which chunked maxima replace topk: never (module docstring)
+
+
+class GreedyGraph(torch.nn.Module):
+    """The static step module, the output projection and :func:`step_rules._greedy_pick` with the margin ``margin``
+    and end-of-sentence word ``eos``, in one forward."""
+
+    source_files = (step_rules.__file__,)  # code the compiled package holds beyond its classes' (aot_step key)
+
+    def __init__(self, step_module: torch.nn.Module, weight_t: Tensor, bias: Optional[Tensor], eos: int,
+                 margin: float):
+        super().__init__()
+        self.step = step_module
+        self.weight_t, self.bias = weight_t, bias
+        self.eos, self.margin = int(eos), float(margin)
+
+    def forward(self, tokens: Tensor, idx: Tensor, k_cache: Tensor, v_cache: Tensor, src_k: Tensor, src_v: Tensor,
+                src_bias: Tensor, ctx_k: Tensor, ctx_v: Tensor, ctx_bias: Tensor, rule_bias: Tensor):
+        """The step's inputs (:meth:`StepGraph.forward`) and the rules' row [K, V] (:func:`step_rules.rule_bias`
+        for every position). Returns the log-probabilities after the rules [N, K, V], the best one and its word
+        [N, K], the status [2N] of :func:`step_rules._greedy_pick` and the attention [N, K, S]."""
+        x, attn = self.step(tokens, idx, k_cache, v_cache, src_k, src_v, src_bias, ctx_k, ctx_v, ctx_bias)
+        N, K = tokens.shape
+        logits = torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        lprobs, best_lp, best, status = step_rules._greedy_pick(logits.view(N, K, -1), rule_bias, self.eos,
+                                                                self.margin, _NO_CHUNKS)
+        return lprobs, best_lp, best, status, attn
+
+    @staticmethod
+    def dynamic_shapes(example):
+        return aot_step.dynamic_shapes(example[:-1]) + (None,)
+
+
+class BeamGraph(torch.nn.Module):
+    """:func:`step_rules._beam_candidates` for a beam of ``beam`` with ``beam`` rows per sentence (every step but
+    the first; K = 1), on the logits: the projection stays outside, where it takes the faster of PyTorch's products
+    for its row count (:class:`~fairseq_ext.inference.static_step.OutputProjection`; inside the graph the product
+    of 4 rows took ~80 us more)."""
+
+    source_files = (step_rules.__file__,)
+
+    def __init__(self, eos: int, margin: float, beam: int, vocab: int):
+        super().__init__()
+        self.eos, self.margin, self.beam = int(eos), float(margin), int(beam)
+        self.k = min(2 * self.beam, self.beam * int(vocab) - 1)
+
+    def forward(self, logits: Tensor, rule_bias: Tensor, scores: Tensor):
+        """logits [N, 1, V], the rules' row [1, V], each row's score [N] -> the outputs of
+        :func:`step_rules._beam_candidates` (lprobs, cand_sc, parents, words, finite_eos, active, status)."""
+        B = self.beam
+        return step_rules._beam_candidates(logits, rule_bias, scores, logits.size(0) // B, B, self.k, B, self.eos,
+                                           self.margin)
+
+    @staticmethod
+    def dynamic_shapes(example):
+        from torch.export import Dim
+
+        return {0: Dim.AUTO}, None, {0: Dim.AUTO}
+
+
+_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Step -> {key: graph, Pending or None}
+
+
+def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0):
+    """The compiled graph for ``step``'s greedy search (``beam`` 0) or a beam of ``beam`` (K = 1), with ``eos`` and
+    ``margin``, once it is ready, else None; starts its compile (in the background, :func:`aot_step.start`) once
+    the step's own compiled graph is ready."""
+    if not isinstance(step.compiled, aot_step.AOTGraph) or step.output.weight_t is None:
+        return None
+    graphs = _GRAPHS.setdefault(step, {})
+    key = (int(eos), float(margin), int(beam))
+    g = graphs.get(key, False)
+    if g is False:
+        w, b = step.output.weight_t, step.output.bias
+        V = w.size(1)
+        if beam:  # three sentences of ``beam`` rows
+            module = BeamGraph(eos, margin, beam, V)
+            example = (torch.zeros(3 * beam, 1, V), torch.zeros(1, V), torch.zeros(3 * beam))
+        else:
+            module = GreedyGraph(step.module, w, b, eos, margin)
+            K = int(getattr(decoder, "group_size", 1))
+            example = example_inputs(step.module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET) + (torch.zeros(K, V),)
+        g = graphs[key] = aot_step.start(module.eval(), example)
+    if isinstance(g, aot_step.Pending):
+        done = g.ready()
+        if done is not None or g.failed:
+            g = graphs[key] = done
+    return g if isinstance(g, aot_step.AOTGraph) else None
+
+
+def wait(step: Step, timeout: float = 900.0) -> None:
+    """Blocks until every graph of ``step`` being compiled is written (benchmarks and tests); the next
+    :func:`ready` takes it."""
+    for g in list(_GRAPHS.get(step, {}).values()):
+        if isinstance(g, aot_step.Pending):
+            g.wait(timeout)
+
+
+def applies(graph, positions: int, temperature: float) -> bool:
+    """Whether a call of ``positions`` new positions (rows x K) at ``temperature`` runs on ``graph`` (None: not
+    ready)."""
+    return graph is not None and temperature == 1.0 and positions <= AOT_MAX_POSITIONS
+
+
+def greedy_call(graph, state: StaticState, tokens: Tensor, first: int, rule_bias: Tensor):
+    """One greedy step on ``graph`` for the K new positions first..first+K-1 (``tokens`` [N, K]): the outputs of
+    :meth:`GreedyGraph.forward`; the caches written in place as :func:`static_step.static_logits` writes them."""
+    K = tokens.size(1)
+    end = first + K
+    state.reserve(end)
+    out = graph.forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k, state.src_v,
+                        state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias, rule_bias)
+    state.length = end
+    return out
