@@ -111,7 +111,7 @@ def contenders(args, data):
     first = task.dataset("test").collater([task.dataset("test")[0]])
     for c in cs:
         if c.family != "fairseq" and c.name != "lean":
-            compiled_step(c, first)
+            compiled_searches(c, first)
     if not args.no_int8:
         q = apply_speedups(copy.deepcopy(tr), "int8-decoder")
         cs.append(Contender("int8", 1, "ours", variant="int8", model=q,
@@ -122,29 +122,41 @@ def contenders(args, data):
     return cs, task
 
 
-def compiled_step(c, sample):
-    """Waits for the static step of contender ``c``'s model compiled ahead of time (``fairseq_ext/inference/
-    aot_step.py``: a background compile on the first run, the disk cache after), then for its greedy and beam 4
-    searches' graphs (``fairseq_ext.sat.search_graph.py``, started by a first search of ``sample``), so that
-    every search timed runs on them; prints which capture the step runs on."""
+def compiled_step(name, model):
+    """Waits for the static step of ``model`` compiled ahead of time (``fairseq_ext/inference/aot_step.py``: a
+    background compile on the first run, the disk cache after), so that every search timed runs on it; prints
+    which capture the step runs on. Returns the step (None where the model is not on it)."""
     from fairseq_ext.inference import aot_step
-    from fairseq_ext.sat import search_graph
     from fairseq_ext.inference import static_step as ss
 
-    if ss.static_refusal(c.model) is not None:
-        return
-    step = ss.step_graph(c.model.decoder)
-    t0 = time.perf_counter()
+    if ss.static_refusal(model) is not None:
+        return None
+    step = ss.step_graph(model.decoder)
     if isinstance(step.compiled, aot_step.Pending):
+        t0 = time.perf_counter()
         step.compiled.wait()
         step.refresh()
+        print(f"{name}: static step compiled ahead of time in {time.perf_counter() - t0:.0f} s (cached for the next "
+              f"run)", flush=True)
+    print(f"{name}: static step {step.capture}", flush=True)
+    return step
+
+
+def compiled_searches(c, sample):
+    """:func:`compiled_step` for contender ``c``, then its greedy and beam 4 searches' graphs
+    (``fairseq_ext/sat/search_graph.py``, started by a first search of ``sample``), waited for likewise."""
+    from fairseq_ext.sat import search_graph
+
+    step = compiled_step(c.name, c.model)
+    if step is None:
+        return
+    t0 = time.perf_counter()
     for beam in (1, 4):
         c.decode(sample, beam, {})
     search_graph.wait(step)
     if time.perf_counter() - t0 > 5:
-        print(f"{c.name}: static step and search graphs compiled ahead of time in {time.perf_counter() - t0:.0f} s "
-              f"(cached for the next run)", flush=True)
-    print(f"{c.name}: static step {step.capture}", flush=True)
+        print(f"{c.name}: search graphs compiled ahead of time in {time.perf_counter() - t0:.0f} s (cached for the "
+              f"next run)", flush=True)
 
 
 def batches(task, n, bsz):
