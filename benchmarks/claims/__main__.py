@@ -5,11 +5,12 @@
 
 Each paper runs the experiment its claim needs (a control of equal depth, equal updates, equal data; see
 benchmarks/claims/PAPER.py for the design), sized to fit about two hours on two CPU cores; the sizes are flags
-(``--dim``, the per-paper ``--*-max-update`` and friends), so the same command runs larger on a GPU. Every step is
-a job whose result is kept with a hash of its settings in WORKDIR/PAPER/results: a re-run skips what is done and
-re-runs what changed. ``--jobs 2`` trains two models side by side, one thread each (the default on a 2-core
-machine); timings run alone. Hyper-parameters are chosen on the valid set; the test set is decoded once per
-model, after training.
+(``--dim``, the per-paper ``--*-max-update`` and friends), so the same command runs larger on a GPU. Every step is a
+job whose result is kept with a hash of its settings in WORKDIR/PAPER/results: a re-run skips what is done and
+re-runs what changed; each result is also kept in benchmarks/claims/store/PAPER (``--store``), which a run long
+enough to need several machine sessions commits between them. ``--jobs 2`` trains two models side by side, one
+thread each (the default on a 2-core machine); timings run alone. Hyper-parameters are chosen on the valid set; the
+test set is decoded once per model, after training.
 
 Writes docs/CLAIMS.md (per paper: the claim, the paper's number, ours, the control, the figure, the command,
 sacreBLEU signatures, update counts and minutes) and docs/claims.json (``PAPER.verdict``: one of
@@ -36,7 +37,8 @@ class Context:
     def __init__(self, args):
         self.args = args
         self.t0 = time.time()
-        self.S = Scheduler(os.path.join(args.workdir, args.paper), args.jobs, self.say)
+        store = None if args.smoke or args.no_store else os.path.join(args.store, args.paper)
+        self.S = Scheduler(os.path.join(args.workdir, args.paper), args.jobs, self.say, store)
         self.corpus = Corpus(self.S, smoke=args.smoke)
         self.S.add(self.corpus.job())
 
@@ -50,6 +52,11 @@ def parse_args(argv=None):
     p.add_argument("--paper", required=True, choices=PAPERS)
     p.add_argument("--workdir", default=os.path.join(ROOT, "work", "claims"))
     p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"))
+    p.add_argument("--store", default=os.path.join(ROOT, "benchmarks", "claims", "store"),
+                   help="every step's result is also kept in STORE/PAPER, and a step found there is skipped: commit "
+                        "it to go on in a new work directory, another session (default benchmarks/claims/store; "
+                        "not with --smoke)")
+    p.add_argument("--no-store", action="store_true", help="keep results in the work directory only")
     p.add_argument("--jobs", type=int, default=2, help="trainings side by side (default 2: one per core)")
     p.add_argument("--threads", type=int, default=2, help="threads of a step that runs alone (default 2)")
     p.add_argument("--dim", type=int, default=128, help="model width (default 128, the release's)")

@@ -9,6 +9,13 @@ one driving child processes (fairseq's command lines, or ``python -m benchmarks.
 steps) with ``OMP_NUM_THREADS`` set to the job's thread count; ``--jobs 2`` runs two one-thread jobs side by side
 on a 2-core machine (``OMP_WAIT_POLICY=PASSIVE``: spinning OpenMP threads of two processes on two cores slow both
 many times over). A job marked ``exclusive`` (timings) runs alone.
+
+With a ``store`` (``python -m benchmarks.claims`` keeps one per paper in the repository, ``benchmarks/claims/store``),
+each result is also written there, and a step whose result is in the store with the same hash is skipped even when
+the work directory is new: a run too long for one machine session goes on in the next one from the results that
+were committed. The files a stored result names in the work directory (a checkpoint, hypotheses) are not kept: a
+step still to run that depends on a finished step whose files are gone runs that step again first (and, the same
+way, what it depends on), so that a re-run makes exactly the files it reads.
 """
 
 import hashlib
@@ -96,8 +103,9 @@ class Job:
 class Scheduler:
     """Runs jobs in dependency order, ``jobs`` at a time (exclusive ones alone), skipping finished ones."""
 
-    def __init__(self, workdir: str, jobs: int = 1, say=print):
+    def __init__(self, workdir: str, jobs: int = 1, say=print, store: Optional[str] = None):
         self.W = os.path.abspath(workdir)
+        self.store = os.path.abspath(store) if store else None
         self.max_jobs = jobs
         self.say = say
         self.jobs: Dict[str, Job] = {}
@@ -114,6 +122,9 @@ class Scheduler:
     # -- paths -------------------------------------------------------------------------------------------
     def result_path(self, name):
         return os.path.join(self.W, "results", f"{name}.json")
+
+    def stored_path(self, name):
+        return os.path.join(self.store, f"{name}.json")
 
     def log(self, name, what="log"):
         os.makedirs(os.path.join(self.W, "logs"), exist_ok=True)
@@ -133,13 +144,29 @@ class Scheduler:
         return self.hashes[name]
 
     def done(self, name) -> Optional[dict]:
-        old, damaged = read_object(self.result_path(name))
-        if damaged:
-            self.say(f"warning: the result file {self.result_path(name)} is damaged ({damaged}): step {name} runs "
-                     "again")
-        if old and old.get("settings_hash") == self.job_hash(name) and old.get("ok"):
-            return old
+        """The result of ``name`` from the work directory, else from the store, where its hash is the job's."""
+        for path in [self.result_path(name)] + ([self.stored_path(name)] if self.store else []):
+            old, damaged = read_object(path)
+            if damaged:
+                self.say(f"warning: the result file {path} is damaged ({damaged}): not used")
+            if old and old.get("settings_hash") == self.job_hash(name) and old.get("ok"):
+                return old
         return None
+
+    def missing_files(self, result) -> List[str]:
+        """The paths of the work directory that ``result`` names and that do not exist (a result from the store)."""
+        out: List[str] = []
+        stack = [result]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, str):
+                if v.startswith(self.W + os.sep) and not os.path.exists(v):
+                    out.append(v)
+            elif isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+        return out
 
     def result(self, name) -> dict:
         return self.results[name]
@@ -153,6 +180,20 @@ class Scheduler:
             if old is not None:
                 self.results[n] = old
                 pending.remove(n)
+        # a finished step whose files are gone (its result from the store) runs again where a step to run reads it
+        again, stack = [], list(pending)
+        while stack:
+            for d in self.jobs[stack.pop()].deps:
+                if d in self.results and d not in pending and self.missing_files(self.results[d]):
+                    del self.results[d]
+                    pending.append(d)
+                    again.append(d)
+                    stack.append(d)
+        order = list(self.jobs)
+        pending.sort(key=order.index)
+        if again:
+            self.say(f"{len(again)} finished steps run again to remake the files later steps read (their results "
+                     f"came from the store): {', '.join(sorted(again, key=order.index))}")
         skipped = len(wanted) - len(pending)
         if skipped:
             self.say(f"{skipped} of {len(wanted)} steps finished earlier with the same settings: skipped")
@@ -222,6 +263,8 @@ class Scheduler:
         res = {"ok": True, "settings_hash": self.job_hash(job.name), "minutes": (time.time() - t0) / 60,
                "threads": job.threads, "code_commit": code_commit(), **res}
         write_json(self.result_path(job.name), res)
+        if self.store:
+            write_json(self.stored_path(job.name), res)
         with self.lock:
             self.results[job.name] = res
         self.say(f"done   {job.name} in {(time.time() - t0) / 60:.1f} min" + (f": {res['summary']}"
