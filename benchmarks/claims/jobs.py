@@ -77,8 +77,9 @@ def code_commit() -> str:
         try:
             head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                   timeout=30).stdout.strip()
-            dirty = subprocess.run(["git", "status", "--porcelain", "--", "fairseq_ext", "benchmarks"], cwd=ROOT,
-                                   capture_output=True, text=True, timeout=30).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", "fairseq_ext", "benchmarks",
+                                    ":(exclude)benchmarks/claims/store"],  # results, not code
+                                   cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
             _COMMIT = (head + ("+changes" if dirty else "")) if head else "unknown"
         except (OSError, subprocess.SubprocessError):
             _COMMIT = "unknown"

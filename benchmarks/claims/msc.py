@@ -104,19 +104,23 @@ class MSC:
                                [("valid", 4), ("test", 4)], [name]))
                 names.append(name)
 
-        def degradation(job, S):
-            pairs = [f"{n[4:]}={S.result(n)['checkpoint']}" for n in names]
-            out = S.dir("degradation")
-            log = S.log("msc-degradation")
+        def train_bleu(job, S):
+            """Figure 2's scores of one model (BLEU on training pairs and valid), right after its training: a
+            step of its own, so that a run continued in another session (the store) needs no model trained again."""
+            n = job.deps[0]
+            out = S.dir("degradation", n)
             S.sh([os.sys.executable, "-m", "fairseq_ext.msc.degradation", self.corpus.bin, "--src", "de",
-                  "--tgt", "en", "--workdir", out, "--checkpoints", ",".join(pairs), "--sample",
-                  str(self.a.msc_train_sample), "--plot", os.path.join(S.W, "msc_degradation.png"), "--cpu"],
-                 log, job.threads, "msc.degradation")
-            return read_json(os.path.join(out, "degradation.json"))
+                  "--tgt", "en", "--workdir", out, "--checkpoints", f"{n[4:]}={S.result(n)['checkpoint']}",
+                  "--sample", str(self.a.msc_train_sample), "--cpu"], S.log(job.name), job.threads,
+                 "msc.degradation")
+            row = dict(read_json(os.path.join(out, "degradation.json"))["results"][0])
+            row.pop("checkpoint", None)  # a file of this work directory: the row is all later steps read
+            return row
 
-        S.add(Job("msc-degradation", degradation, {"sample": self.a.msc_train_sample}, names + ["data"],
-                  what="Figure 2: BLEU on training pairs and valid of every model"))
-        S.run_all([f"{n}-eval" for n in names] + ["msc-degradation"])
+        for n in names:
+            S.add(Job(f"{n}-train-bleu", train_bleu, {"sample": self.a.msc_train_sample}, [n, "data"],
+                      what=f"Figure 2: BLEU of {n[4:]} on training pairs and valid"))
+        S.run_all([f"{n}-{step}" for n in names for step in ("eval", "train-bleu")])
         return {"models": names, "chosen": {v: {"lr": lr, "warmup": w} for v, (lr, w) in chosen.items()},
                 "pilots": scored}
 
@@ -157,7 +161,7 @@ def report(ctx, outcome):
     S, a = ctx.S, ctx.args
     names = outcome["models"]
     depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
-    deg = {(r["variant"], r["depth"]): r for r in (S.result("msc-degradation") or {}).get("results", [])}
+    deg = {(r["variant"], r["depth"]): r for r in (S.result(f"{n}-train-bleu") for n in names)}
     rows, bleu, record_models, curves = [], {}, {}, []
     for n in names:
         variant = n[4:].rstrip("0123456789")
@@ -191,8 +195,11 @@ def report(ctx, outcome):
     prow = [[n[10:].replace("-lr", ", lr ").replace("-w", ", warm-up "), R.fmt(b)]
             for n, b in sorted(outcome["pilots"].items())]
     prov, prov_line = R.provenance([S.result(n) for n in S.results if n.startswith("msc-")], "msc")
-    figures = [curves] + ([os.path.join(S.W, "msc_degradation.png")]
-                          if os.path.exists(os.path.join(S.W, "msc_degradation.png")) else [])
+    from fairseq_ext.msc.degradation import plot
+
+    figure2 = os.path.join(S.W, "msc_degradation.png")
+    plot(list(deg.values()), list(dict.fromkeys(v for v, _ in deg)), figure2)
+    figures = [curves, figure2]
     md = f"""## MSC: multiscale collaborative deep encoders (Wei et al., ACL 2020)
 
 **Claim** (Table 2, IWSLT'14 De-En): a plain deep Transformer degrades as its encoder grows (Figure 2: lower

@@ -94,6 +94,13 @@ def test_compiled_step_serves_rows_that_share_a_source(compiled):
 @pytest.mark.parametrize("beam", [1, 3])
 def test_generator_on_the_compiled_step_gives_fairseqs_hypotheses(compiled, beam):
     m = compiled["transformer"]
+    ours, a, b = ours_and_fairseqs(m, beam)
+    assert ours.model.step_name == "static" and ss.step_graph(m.decoder).capture == "aot"
+    assert a == b
+
+
+def ours_and_fairseqs(m, beam):
+    """Our generator and the hypotheses (token lists) of it and of fairseq's on three sentences."""
     src, lengths, _ = batch(bsz=3, src_len=9)
     sample = sat_sample(src, lengths)
     ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
@@ -101,8 +108,7 @@ def test_generator_on_the_compiled_step_gives_fairseqs_hypotheses(compiled, beam
     a = ours.generate([m], sample)
     with torch.no_grad():
         b = ref.generate([m], sample)
-    assert ours.model.step_name == "static" and ss.step_graph(m.decoder).capture == "aot"
-    assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
+    return ours, [h[0]["tokens"].tolist() for h in a], [h[0]["tokens"].tolist() for h in b]
 
 
 @slow
@@ -268,12 +274,6 @@ def test_generator_on_the_searches_graphs_gives_fairseqs_hypotheses(compiled, be
         monkeypatch.setattr(aot_step.AOTGraph, "run", lambda self, *a: calls.append(1) or real(self, *a))
     else:
         monkeypatch.setattr(search_graph, "greedy_call", lambda *a: calls.append(1) or real(*a))
-    src, lengths, _ = batch(bsz=3, src_len=9)
-    sample = sat_sample(src, lengths)
-    ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
-    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
-    a = ours.generate([m], sample)
-    with torch.no_grad():
-        b = ref.generate([m], sample)
-    assert [h[0]["tokens"].tolist() for h in a] == [h[0]["tokens"].tolist() for h in b]
+    ours, a, b = ours_and_fairseqs(m, beam)
+    assert a == b
     assert len(calls) == ours.model.decoder_calls - (beam > 1)
