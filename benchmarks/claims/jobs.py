@@ -13,9 +13,9 @@ many times over). A job marked ``exclusive`` (timings) runs alone.
 With a ``store`` (``python -m benchmarks.claims`` keeps one per paper in the repository, ``benchmarks/claims/store``),
 each result is also written there, and a step whose result is in the store with the same hash is skipped even when
 the work directory is new: a run too long for one machine session goes on in the next one from the results that
-were committed. The files a stored result names in the work directory (a checkpoint, hypotheses) are not kept: a
-step still to run that depends on a finished step whose files are gone runs that step again first (and, the same
-way, what it depends on), so that a re-run makes exactly the files it reads.
+were committed. The files of a step (a corpus, a checkpoint, hypotheses) are not kept there: a step still to run
+that depends on a finished step whose result came from the store, or whose files named in its result are gone, runs
+that step again first (and, the same way, what it depends on), so that a re-run makes the files it reads.
 """
 
 import hashlib
@@ -107,6 +107,7 @@ class Scheduler:
     def __init__(self, workdir: str, jobs: int = 1, say=print, store: Optional[str] = None):
         self.W = os.path.abspath(workdir)
         self.store = os.path.abspath(store) if store else None
+        self.from_store: set = set()  # steps whose result came from the store: their files are not here
         self.max_jobs = jobs
         self.say = say
         self.jobs: Dict[str, Job] = {}
@@ -146,11 +147,15 @@ class Scheduler:
 
     def done(self, name) -> Optional[dict]:
         """The result of ``name`` from the work directory, else from the store, where its hash is the job's."""
-        for path in [self.result_path(name)] + ([self.stored_path(name)] if self.store else []):
+        paths = [self.result_path(name)] + ([self.stored_path(name)] if self.store else [])
+        for path in paths:
             old, damaged = read_object(path)
             if damaged:
-                self.say(f"warning: the result file {path} is damaged ({damaged}): not used")
+                self.say(f"warning: the result file {path} is damaged ({damaged}): step {name} runs again"
+                         + (" unless the store holds its result" if path != paths[-1] else ""))
             if old and old.get("settings_hash") == self.job_hash(name) and old.get("ok"):
+                if path != paths[0]:
+                    self.from_store.add(name)
                 return old
         return None
 
@@ -181,17 +186,20 @@ class Scheduler:
             if old is not None:
                 self.results[n] = old
                 pending.remove(n)
-        # a finished step whose files are gone (its result from the store) runs again where a step to run reads it
+        # a finished step whose files are not here (its result from the store, or files it names gone) runs again
+        # where a step to run depends on it
         again, stack = [], list(pending)
         while stack:
             for d in self.jobs[stack.pop()].deps:
-                if d in self.results and d not in pending and self.missing_files(self.results[d]):
+                if d in self.results and d not in pending and (d in self.from_store
+                                                               or self.missing_files(self.results[d])):
                     del self.results[d]
                     pending.append(d)
                     again.append(d)
                     stack.append(d)
         order = list(self.jobs)
         pending.sort(key=order.index)
+        self.from_store.difference_update(again)
         if again:
             self.say(f"{len(again)} finished steps run again to remake the files later steps read (their results "
                      f"came from the store): {', '.join(sorted(again, key=order.index))}")

@@ -560,3 +560,65 @@ def test_claims_average_keeps_the_newest_checkpoints_training_state(tmp_path):
     avg = checkpoints.load_checkpoint_file(str(tmp_path / "avg.pt"))
     assert avg["optimizer_history"][-1]["num_updates"] == 2000 and torch.equal(avg["model"]["w"],
                                                                                 torch.full((2,), 1500.0))
+
+
+def test_a_new_work_directory_takes_results_from_the_store_and_remakes_only_the_files_a_step_reads(tmp_path):
+    """A run in one work directory with a store; then a new work directory with the same store: nothing runs again;
+    a new step that reads a file of a finished step runs that step again first, and what it depends on (a corpus
+    whose files its result does not name), while the steps that need only results do not run."""
+    store = str(tmp_path / "store")
+
+    def jobs(S, ran, extra=False):
+        def make_corpus(job, S):
+            ran.append("corpus")
+            with open(os.path.join(S.dir("files"), "corpus.txt"), "w") as f:
+                f.write("weights")
+            return {}
+
+        def make_file(job, S):
+            ran.append("a")
+            with open(os.path.join(S.W, "files", "corpus.txt")) as f:
+                text = f.read()
+            path = os.path.join(S.dir("files"), "a.txt")
+            with open(path, "w") as f:
+                f.write(text)
+            return {"file": path}
+
+        def read_file(job, S):
+            ran.append(job.name)
+            with open(S.result("a")["file"]) as f:
+                return {"value": f.read()}
+
+        S.add(Job("corpus", make_corpus, {"x": 1}))
+        S.add(Job("a", make_file, {"x": 1}, ["corpus"]))
+        S.add(Job("b", read_file, {"x": 1}, ["a"]))
+        S.add(Job("c", lambda job, S: ran.append("c") or {"value": S.result("b")["value"] + "!"}, {"x": 1}, ["b"]))
+        if extra:
+            S.add(Job("d", read_file, {"x": 1}, ["a"]))
+
+    ran = []
+    S = Scheduler(str(tmp_path / "w1"), say=lambda m: None, store=store)
+    jobs(S, ran)
+    S.run_all()
+    assert ran == ["corpus", "a", "b", "c"]
+    assert sorted(os.listdir(store)) == ["a.json", "b.json", "c.json", "corpus.json"]
+    ran.clear()
+    S = Scheduler(str(tmp_path / "w2"), say=lambda m: None, store=store)  # a fresh machine, the store committed
+    jobs(S, ran)
+    S.run_all()
+    assert ran == [] and S.result("c")["value"] == "weights!"
+    said = []
+    S = Scheduler(str(tmp_path / "w3"), say=said.append, store=store)
+    jobs(S, ran, extra=True)
+    S.run_all()
+    assert ran == ["corpus", "a", "d"] and S.result("d")["value"] == "weights"  # b and c not
+    assert any("run again to remake the files" in m and ": corpus, a" in m for m in said)
+    ran.clear()
+    S = Scheduler(str(tmp_path / "w3"), say=lambda m: None, store=store)  # the same directory again: all here
+    jobs(S, ran, extra=True)
+    S.run_all()
+    assert ran == []
+    S = Scheduler(str(tmp_path / "w4"), say=lambda m: None)  # no store: everything runs
+    jobs(S, ran)
+    S.run_all()
+    assert ran == ["corpus", "a", "b", "c"]
