@@ -15,7 +15,9 @@ bundled Bible corpus (German -> English, 29,080 training verses, the release's s
 on 2 CPU cores: the experiment each paper's claim needs, with the control of equal depth, updates and data, at the
 size that fits (the sizes are flags of the same command, for a larger machine). Hyper-parameters are chosen on the
 valid set; the test set is decoded once per model after training. Every BLEU is sacreBLEU on detokenised text
-(signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict.
+(signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict. A run longer than
+a machine session goes on in the next one from the finished steps' results, committed in
+`benchmarks/claims/store/PAPER` (the same command skips them).
 
 One table of verdict words for all four papers:
 

@@ -5,18 +5,20 @@ With the static step compiled (:mod:`fairseq_ext.inference.aot_step`), a search 
 calls: the compiled decoder step, the vocabulary projection from Python (:class:`~fairseq_ext.inference.
 static_step.OutputProjection`), and fairseq's rules and choice as a TorchScript function of
 :mod:`fairseq_ext.sat.step_rules` (the log-softmax, the rules' row, the best words, the EOS and near-tie status:
-~20 small operations through TorchScript's interpreter). :class:`GreedyGraph` and :class:`BeamGraph` are the same
-step module, the same product and the same rules' code as one module, which AOTInductor compiles into one call
-(``python -m benchmarks.speed.decode`` times the searches).
+~20 small operations through TorchScript's interpreter). :class:`GreedyGraph` is the same step module, the same
+product and the same rules' code as one module, which AOTInductor compiles into one call; :class:`BeamGraph` the
+beam's rules and candidates alone, after the projection (inside the graph, the product of a beam's rows was slower
+than the kernel :class:`~fairseq_ext.inference.static_step.OutputProjection` picks for them). ``python -m
+benchmarks.speed.decode`` times the searches.
 
 Each is compiled like the step (the same cache, package key and background process), once the step's own package
-is ready (one compile at a time on the machine), and only for float32 steps; a beam graph per beam size, for the
-steps after the first (the first has one row per sentence). Until a graph is ready, and where it does not apply
-(int8, a capture mode other than ``aot``, a temperature other than 1, more positions a call than
-:data:`~fairseq_ext.inference.static_step.AOT_MAX_POSITIONS`), the search runs the three calls. The greedy graph
-takes ``topk`` for the best two words at every row count (the scripted rules switch to chunked maxima from 2 rows):
-the same values, the same word but among exactly equal values, which the near-tie margin already sends to fairseq's
-generator.
+is ready, and only for float32 steps; a beam graph per beam size, for the steps after the first (the first has one
+row per sentence). Until a graph is ready, and where it does not apply (int8, a capture mode other than ``aot``;
+greedy: a temperature other than 1 or more positions a call than
+:data:`~fairseq_ext.inference.static_step.AOT_MAX_POSITIONS`; beam: more rows than the scripted rules take), the
+search runs as before. The greedy graph takes ``topk`` for the best two words at every row count (the scripted
+rules switch to chunked maxima from 2 rows): the same values, the same word but among exactly equal values, which
+the near-tie margin already sends to fairseq's generator.
 """
 
 import weakref
