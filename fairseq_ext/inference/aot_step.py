@@ -213,16 +213,18 @@ def unsafe_cache(d: str) -> Optional[str]:
     return None
 
 
-def start(module: torch.nn.Module, example) -> "Optional[AOTGraph | Pending]":
+def start(module: torch.nn.Module, example, what: str = "static step",
+          meanwhile: str = "decoding on the traced step") -> "Optional[AOTGraph | Pending]":
     """The compiled graph of ``module`` from the cache, or a :class:`Pending` compile started in the background
     (one log line), or None where the step stays traced (int8, another capture mode, no compiler, an unsafe or
-    unwritable cache, a failed compile: one log line)."""
+    unwritable cache, a failed compile: one log line). The log lines name ``what`` is compiled and what runs
+    ``meanwhile``."""
     if mode() != "aot" or len(getattr(module, "int8", ())) or not hasattr(torch._C, "_aoti"):
         return None
     d = cache_dir()
     why = unsafe_cache(d)
     if why:
-        logger.info(f"static step: not compiled ahead of time ({why}); decoding on the traced step")
+        logger.info(f"{what}: not compiled ahead of time ({why}); {meanwhile}")
         return None
     key = package_key(module, example)
     path = os.path.join(d, key + ".pt2")
@@ -232,12 +234,11 @@ def start(module: torch.nn.Module, example) -> "Optional[AOTGraph | Pending]":
             return graph
     failed = os.path.join(d, key + ".failed")
     if os.path.exists(failed):
-        logger.info(f"static step: compiling it ahead of time failed earlier (log: {failed}); decoding on the "
-                    f"traced step")
+        logger.info(f"{what}: compiling it ahead of time failed earlier (log: {failed}); {meanwhile}")
         return None
     why = compiler_missing()
     if why:
-        logger.info(f"static step: not compiled ahead of time ({why}); decoding on the traced step")
+        logger.info(f"{what}: not compiled ahead of time ({why}); {meanwhile}")
         return None
     lock = os.path.join(d, key + ".lock")
     try:
@@ -248,8 +249,8 @@ def start(module: torch.nn.Module, example) -> "Optional[AOTGraph | Pending]":
     except FileExistsError:  # another process compiles it
         return Pending(path, None)
     except OSError as e:
-        logger.info(f"static step: not compiled ahead of time ({d}: {e.strerror}; {CACHE} names another "
-                    f"directory); decoding on the traced step")
+        logger.info(f"{what}: not compiled ahead of time ({d}: {e.strerror}; {CACHE} names another "
+                    f"directory); {meanwhile}")
         return None
     work = None
     try:
@@ -267,10 +268,10 @@ def start(module: torch.nn.Module, example) -> "Optional[AOTGraph | Pending]":
         os.remove(lock)
         if work:
             shutil.rmtree(work, ignore_errors=True)
-        logger.info(f"static step: not compiled ahead of time ({type(e).__name__}: {e}); decoding on the traced step")
+        logger.info(f"{what}: not compiled ahead of time ({type(e).__name__}: {e}); {meanwhile}")
         return None
-    logger.info(f"static step: compiling it ahead of time in the background (pid {proc.pid}, about a minute, once "
-                f"per model; {path}); decoding on the traced step until then ({CAPTURE}=trace: never)")
+    logger.info(f"{what}: compiling it ahead of time in the background (pid {proc.pid}, about a minute, once "
+                f"per model; {path}); {meanwhile} until then ({CAPTURE}=trace: never)")
     return Pending(path, proc)
 
 

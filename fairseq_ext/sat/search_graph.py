@@ -113,7 +113,8 @@ def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0):
             module = GreedyGraph(step.module, w, b, eos, margin)
             K = int(getattr(decoder, "group_size", 1))
             example = example_inputs(step.module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET) + (torch.zeros(K, V),)
-        g = graphs[key] = aot_step.start(module.eval(), example)
+        g = graphs[key] = aot_step.start(module.eval(), example, f"the {'beam' if beam else 'greedy'} search's graph",
+                                         "the search runs its scripted rules")
     if isinstance(g, aot_step.Pending):
         done = g.ready()
         if done is not None or g.failed:

@@ -277,3 +277,22 @@ def test_generator_on_the_searches_graphs_gives_fairseqs_hypotheses(compiled, be
     ours, a, b = ours_and_fairseqs(m, beam)
     assert a == b
     assert len(calls) == ours.model.decoder_calls - (beam > 1)
+
+
+@slow
+def test_a_search_graph_compile_names_the_graph_and_what_runs_meanwhile(compiled, monkeypatch, caplog):
+    """Its log lines say which graph compiles and that the search runs its scripted rules until then (not the
+    step's "decoding on the traced step"); a graph that cannot compile leaves the search as it was (None)."""
+    m = compiled["transformer"]
+    step = ss.step_graph(m.decoder)
+    failed = []
+
+    def no_compiler():
+        failed.append(1)
+        return "no C++ compiler (g++) on PATH"
+
+    monkeypatch.setattr(aot_step, "compiler_missing", no_compiler)
+    with caplog.at_level(logging.INFO, logger="fairseq_ext.inference.aot_step"):
+        assert search_graph.ready(step, m.decoder, DICT.eos(), 1e-3, beam=5) is None
+    assert failed and "the beam search's graph: not compiled ahead of time (no C++ compiler (g++) on PATH); the " \
+        "search runs its scripted rules" in caplog.text
