@@ -215,8 +215,7 @@ def main(argv=None):
 
     if args.capture:
         return capture_part(args, data)
-    cs, task = contenders(args, data)
-    task.load_dataset("test")
+    cs, task = contenders(args, data)  # the test split loaded
     refs = references()
     settings = [("batch 1", 1, args.sentences)]
     if not args.quick:

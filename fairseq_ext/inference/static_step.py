@@ -439,10 +439,9 @@ def step_graph(decoder) -> "Step":
         return cached[1]
     module = graph_class(decoder)(decoder).eval()
     step = Step(capture(module, decoder), OutputProjection(decoder.output_projection))
-    # compiled ahead of time where it can be (module docstring); the example has distinct sizes for rows, sources,
-    # memory and cache lengths, none of them 1: torch.export keeps each dynamic and apart
+    # compiled ahead of time where it can be (module docstring)
     step.module = aot_module(module)  # what AOTInductor compiles (and fairseq_ext.sat.search_graph)
-    step.compiled = aot_step.start(step.module, example_inputs(module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET))
+    step.compiled = aot_step.start(step.module, compile_example(module, decoder))
     step.refresh()
     _GRAPHS[decoder] = (key, step)
     return step
@@ -536,6 +535,12 @@ def example_inputs(module: StepGraph, decoder, N: int = 2, B: int = 2, S: int = 
             torch.zeros(caches, N, H, T, d), torch.zeros(caches, N, H, T, d), torch.zeros(L, B, H, S, d),
             torch.zeros(L, B, H, S, d), torch.zeros(B, 1, 1, S), torch.zeros(ctx), torch.zeros(ctx),
             torch.zeros(ctx_bias))
+
+
+def compile_example(module: StepGraph, decoder):
+    """The inputs AOTInductor compiles the step with: distinct sizes for rows, sources, memory and cache lengths,
+    none of them 1, so that torch.export keeps each dynamic and apart."""
+    return example_inputs(module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET)
 
 
 def capture(module: StepGraph, decoder):
@@ -664,16 +669,22 @@ class StaticState:
         self.src_bias = self.src_bias.index_select(0, index)
 
 
+def call_graph(graph, state: StaticState, tokens: Tensor, first: int, *extra: Tensor):
+    """``graph`` (the step's, or one that takes the step's inputs and then ``extra``) on the K new positions
+    first..first+K-1 (``tokens`` [N, K]) and the state's caches, written in place; returns the graph's outputs."""
+    end = first + tokens.size(1)
+    state.reserve(end)  # the caches are read whole: their length is the bucket of ``end``
+    out = graph.forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k, state.src_v,
+                        state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias, *extra)
+    state.length = end
+    return out
+
+
 def static_logits(step: Step, state: StaticState, tokens: Tensor, first: int, temperature: float = 1.0):
     """Logits [N, K, V] (divided by ``temperature``) and attention [N, K, S] of the K new positions
     first..first+K-1 (``tokens`` [N, K])."""
     N, K = tokens.shape
-    end = first + K
-    state.reserve(end)  # the caches are read whole: their length is the bucket of ``end``
-    graph = step.graph_for(N * K)
-    x, attn = graph.forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k,
-                            state.src_v, state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias)
-    state.length = end
+    x, attn = call_graph(step.graph_for(N * K), state, tokens, first)
     logits = step.output(x).view(N, K, -1)
     if temperature != 1.0:
         logits = logits.div_(temperature)

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from fairseq_ext.inference import aot_step
-from fairseq_ext.inference.static_step import AOT_MAX_POSITIONS, LENGTH_BUCKET, Step, StaticState, example_inputs
+from fairseq_ext.inference.static_step import AOT_MAX_POSITIONS, Step, StaticState, call_graph, compile_example
 from fairseq_ext.sat import step_rules
 
 _NO_CHUNKS = 1 << 30  # _greedy_pick's row count from which chunked maxima replace topk: never (module docstring)
@@ -112,7 +112,7 @@ def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0):
         else:
             module = GreedyGraph(step.module, w, b, eos, margin)
             K = int(getattr(decoder, "group_size", 1))
-            example = example_inputs(step.module, decoder, N=6, B=3, S=7, T=3 * LENGTH_BUCKET) + (torch.zeros(K, V),)
+            example = compile_example(step.module, decoder) + (torch.zeros(K, V),)
         g = graphs[key] = aot_step.start(module.eval(), example, f"the {'beam' if beam else 'greedy'} search's graph",
                                          "the search runs its scripted rules")
     if isinstance(g, aot_step.Pending):
@@ -139,10 +139,4 @@ def applies(graph, positions: int, temperature: float) -> bool:
 def greedy_call(graph, state: StaticState, tokens: Tensor, first: int, rule_bias: Tensor):
     """One greedy step on ``graph`` for the K new positions first..first+K-1 (``tokens`` [N, K]): the outputs of
     :meth:`GreedyGraph.forward`; the caches written in place as :func:`static_step.static_logits` writes them."""
-    K = tokens.size(1)
-    end = first + K
-    state.reserve(end)
-    out = graph.forward(tokens.contiguous(), torch.arange(first, end), state.k, state.v, state.src_k, state.src_v,
-                        state.src_bias, state.ctx_k, state.ctx_v, state.ctx_bias, rule_bias)
-    state.length = end
-    return out
+    return call_graph(graph, state, tokens, first, rule_bias)
