@@ -3,11 +3,14 @@ disk.
 
 The static step's graph (:class:`~fairseq_ext.inference.static_step.StepGraph`) is traced at once by
 ``torch.jit.trace`` (milliseconds). AOTInductor compiles the same module into a shared library of fused C++ loops
-around PyTorch's matrix products, with no interpreter between the operations: faster per call (``python -m
-benchmarks.speed.decode --capture`` times both), but compiling takes about a minute and a C++ compiler. So, where a
-model's step is not yet in the cache, a background process (niced, one thread) exports and compiles it while the
-search decodes on the traced graph; every search that starts after the package is written takes it (the same
-process, or any later run: the second run pays nothing).
+around the matrix products, with no interpreter between the operations: faster per call, but compiling takes about a
+minute and a C++ compiler. The products are inductor's C++ GEMM template wherever its compile-time timing picks it
+over PyTorch's (``max_autotune`` with the ``CPP`` and ``ATEN`` backends; the weights, constants of the graph, packed
+into the template's blocks at compile time): at a few rows a product is a read of its weights, which the template
+streams without MKL's per-call setup. ``python -m benchmarks.speed.decode --capture`` times the traced step and
+AOTInductor with and without the template. So, where a model's step is not yet in the cache, a background process
+(niced, one thread) exports and compiles it while the search decodes on the traced graph; every search that starts
+after the package is written takes it (the same process, or any later run: the second run pays nothing).
 
 ``FAIRSEQ_EXT_STEP_CAPTURE``: ``aot`` (the default, as above), ``trace`` (the traced graph only, nothing compiled or
 started) or ``eager`` (the module op by op, nothing traced). ``FAIRSEQ_EXT_CACHE``: the cache directory (default
@@ -94,11 +97,11 @@ def _feed(h, obj, seen) -> None:
         h.update(f"O{type(obj).__module__}.{type(obj).__qualname__}".encode())
 
 
-def package_key(module: torch.nn.Module, example) -> str:
+def package_key(module: torch.nn.Module, example, gemm_template: bool = True) -> str:
     """The name of ``module``'s package in the cache (module docstring: what the hash covers)."""
     h = hashlib.blake2b(digest_size=20)
     h.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}|"
-             f"{torch.backends.cpu.get_cpu_capability()}".encode())
+             f"{torch.backends.cpu.get_cpu_capability()}|{gemm_template}".encode())
     files = {__file__} | {inspect.getfile(c) for m in module.modules() for c in type(m).__mro__
                           if c.__module__.startswith("fairseq_ext")} | set(getattr(module, "source_files", ()))
     for f in sorted(files):
@@ -213,12 +216,12 @@ def unsafe_cache(d: str) -> Optional[str]:
     return None
 
 
-def start(module: torch.nn.Module, example, what: str = "static step",
-          meanwhile: str = "decoding on the traced step") -> "Optional[AOTGraph | Pending]":
+def start(module: torch.nn.Module, example, what: str = "static step", meanwhile: str = "decoding on the traced step",
+          gemm_template: bool = True) -> "Optional[AOTGraph | Pending]":
     """The compiled graph of ``module`` from the cache, or a :class:`Pending` compile started in the background
     (one log line), or None where the step stays traced (int8, another capture mode, no compiler, an unsafe or
     unwritable cache, a failed compile: one log line). The log lines name ``what`` is compiled and what runs
-    ``meanwhile``."""
+    ``meanwhile``; ``gemm_template=False`` leaves every product to PyTorch's (the benchmark's comparison)."""
     if mode() != "aot" or len(getattr(module, "int8", ())) or not hasattr(torch._C, "_aoti"):
         return None
     d = cache_dir()
@@ -226,7 +229,7 @@ def start(module: torch.nn.Module, example, what: str = "static step",
     if why:
         logger.info(f"{what}: not compiled ahead of time ({why}); {meanwhile}")
         return None
-    key = package_key(module, example)
+    key = package_key(module, example, gemm_template)
     path = os.path.join(d, key + ".pt2")
     if os.path.exists(path):
         graph = _load(path)
@@ -255,7 +258,8 @@ def start(module: torch.nn.Module, example, what: str = "static step",
     work = None
     try:
         work = tempfile.mkdtemp(prefix=key[:8] + "-", dir=d)
-        torch.save({"module": module, "example": tuple(example)}, os.path.join(work, "spec.pt"))
+        torch.save({"module": module, "example": tuple(example), "gemm_template": gemm_template},
+                   os.path.join(work, "spec.pt"))
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -285,8 +289,13 @@ def compile_package(work: str, path: str) -> None:
         pass
     spec = torch.load(os.path.join(work, "spec.pt"), weights_only=False)
     module, example = spec["module"], spec["example"]
+    import torch._inductor.config as inductor_config
     from torch._inductor import aoti_compile_and_package
 
+    if spec.get("gemm_template", True):  # the products: the template or PyTorch's, whichever times faster
+        inductor_config.freezing = True  # the weights are constants the template packs
+        inductor_config.max_autotune = True
+        inductor_config.max_autotune_gemm_backends = "CPP,ATEN"
     with torch.no_grad():
         shapes = module.dynamic_shapes(example) if hasattr(module, "dynamic_shapes") else dynamic_shapes(example)
         ep = torch.export.export(module, example, dynamic_shapes=shapes, strict=False)
