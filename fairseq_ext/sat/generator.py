@@ -415,19 +415,23 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         for step in range(n_steps):
             n = len(sents)
             k = min(2 * B, P * self.vocab_size - 1)
-            status = None
+            status = advanced = None
             scripted = rules is not None and n * P <= step_rules.SCRIPTED_MAX_ROWS
             if scripted:
                 logits, step_attn = self.model.decode_logits(tokens[:, : step + 1], encoder_outs[0], state,
                                                              self.temperature)
-                # the rules and the candidates: compiled (rows of B parents, where ready) or scripted
-                candidates = fused.run if fused is not None and P == B \
-                    else lambda *a: rules[1](*a, n, P, k, B, eos, self._tie_margin)
-                lprobs, cand_sc, parents, words, finite_eos, active, status = candidates(
-                    logits, self._rule_bias(step, max_len), scores)
+                # the rules and the candidates: compiled (rows of B parents, where ready, with the advance for
+                # when no sentence is done) or scripted
+                if fused is not None and P == B and attn is not None and step_attn is not None:
+                    out = fused.run(logits, self._rule_bias(step, max_len), scores, tokens, cum, attn, step_attn,
+                                    torch.tensor(step))
+                    (lprobs, cand_sc, parents, words, finite_eos, active, status), advanced = out[:7], out[7:]
+                else:
+                    lprobs, cand_sc, parents, words, finite_eos, active, status = rules[1](
+                        logits, self._rule_bias(step, max_len), scores, n, P, k, B, eos, self._tie_margin)
                 status = status.tolist()  # the host read of the step
                 if status[n * B]:  # a NaN among the top k: the step again on the corrected distributions
-                    status = None
+                    status = advanced = None
             else:
                 lprobs, step_attn = self.model.decode_group(tokens[:, : step + 1], encoder_outs[0], state,
                                                             self.temperature)
@@ -473,13 +477,16 @@ class _GroupSearch(GroupStep, SequenceGenerator):
             if active is None:
                 active = step_rules._active_hypotheses(finite_eos, B)
             keep = torch.tensor(keep_sents, device=dev) if len(keep_sents) < n else None
-            if keep is not None:
-                active, cand_sc = active.index_select(0, keep), cand_sc.index_select(0, keep)
-                parents, words = parents.index_select(0, keep), words.index_select(0, keep)
-            base = (keep if keep is not None else torch.arange(n, device=dev)).unsqueeze(1) * P
-            advance = rules[2] if scripted else step_rules._beam_advance
-            rows, scores, tokens, cum, attn = advance(tokens, cum, attn, step_attn, cand_sc, parents, words, active,
-                                                      base, step)
+            if keep is None and advanced is not None:  # the compiled graph's advance: every sentence kept
+                rows, scores, tokens, cum, attn = advanced
+            else:
+                if keep is not None:
+                    active, cand_sc = active.index_select(0, keep), cand_sc.index_select(0, keep)
+                    parents, words = parents.index_select(0, keep), words.index_select(0, keep)
+                base = (keep if keep is not None else torch.arange(n, device=dev)).unsqueeze(1) * P
+                advance = rules[2] if scripted else step_rules._beam_advance
+                rows, scores, tokens, cum, attn = advance(tokens, cum, attn, step_attn, cand_sc, parents, words,
+                                                          active, base, step)
             sents = [sents[s_] for s_ in keep_sents]
             # the rows of a sentence stay together: the sources move only when the beam opens or sentences leave
             encoder_outs = self._reorder(state, encoder_outs, rows, same_sources=P == B and keep is None)

@@ -66,9 +66,11 @@ class GreedyGraph(torch.nn.Module):
 
 class BeamGraph(torch.nn.Module):
     """:func:`step_rules._beam_candidates` for a beam of ``beam`` with ``beam`` rows per sentence (every step but
-    the first; K = 1), on the logits: the projection stays outside, where it takes the faster of PyTorch's products
-    for its row count (:class:`~fairseq_ext.inference.static_step.OutputProjection`; inside the graph the product
-    of 4 rows took ~80 us more)."""
+    the first; K = 1), on the logits, and :func:`step_rules._beam_advance` of its candidates for the case where no
+    sentence is done (the search takes it then, and advances its own way when a sentence leaves). The projection
+    stays outside, where it takes the faster of PyTorch's products for its row count
+    (:class:`~fairseq_ext.inference.static_step.OutputProjection`; inside the graph the product of 4 rows took
+    ~30-80 us more)."""
 
     source_files = (step_rules.__file__,)
 
@@ -77,18 +79,31 @@ class BeamGraph(torch.nn.Module):
         self.eos, self.margin, self.beam = int(eos), float(margin), int(beam)
         self.k = min(2 * self.beam, self.beam * int(vocab) - 1)
 
-    def forward(self, logits: Tensor, rule_bias: Tensor, scores: Tensor):
-        """logits [N, 1, V], the rules' row [1, V], each row's score [N] -> the outputs of
-        :func:`step_rules._beam_candidates` (lprobs, cand_sc, parents, words, finite_eos, active, status)."""
+    def forward(self, logits: Tensor, rule_bias: Tensor, scores: Tensor, tokens: Tensor, cum: Tensor, attn: Tensor,
+                step_attn: Tensor, step: Tensor):
+        """logits [N, 1, V], the rules' row [1, V], each row's score [N], the search's buffers (tokens [N, W], cum
+        [N, T], attn [N, S, T]), the step's attention [N, 1, S] and the step (a 0-d tensor) -> the outputs of
+        :func:`step_rules._beam_candidates` (lprobs, cand_sc, parents, words, finite_eos, active, status), then
+        those of :func:`step_rules._beam_advance` with every sentence kept (rows, scores, tokens, cum, attn)."""
         B = self.beam
-        return step_rules._beam_candidates(logits, rule_bias, scores, logits.size(0) // B, B, self.k, B, self.eos,
-                                           self.margin)
+        n = logits.size(0) // B
+        out = step_rules._beam_candidates(logits, rule_bias, scores, n, B, self.k, B, self.eos, self.margin)
+        _, cand_sc, parents, words, _, active, _ = out
+        # _beam_advance with base = arange(n) * B, its writes at ``step`` as index_copy (``step`` is an input)
+        rows = (torch.arange(n, device=logits.device).unsqueeze(1) * B + parents.gather(1, active)).view(-1)
+        new_scores = cand_sc.gather(1, active).view(-1)
+        at = step.view(1)
+        tokens = tokens.index_select(0, rows).index_copy(1, at + 1, words.gather(1, active).view(-1, 1))
+        cum = cum.index_select(0, rows).index_copy(1, at, new_scores.view(-1, 1))
+        attn = attn.index_select(0, rows).index_copy(2, at, step_attn[:, 0].index_select(0, rows).unsqueeze(2))
+        return out + (rows, new_scores, tokens, cum, attn)
 
     @staticmethod
     def dynamic_shapes(example):
         from torch.export import Dim
 
-        return {0: Dim.AUTO}, None, {0: Dim.AUTO}
+        a = Dim.AUTO
+        return {0: a}, None, {0: a}, {0: a, 1: a}, {0: a, 1: a}, {0: a, 1: a, 2: a}, {0: a, 2: a}, None
 
 
 _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Step -> {key: graph, Pending or None}
@@ -106,9 +121,11 @@ def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0):
     if g is False:
         w, b = step.output.weight_t, step.output.bias
         V = w.size(1)
-        if beam:  # three sentences of ``beam`` rows
+        if beam:  # three sentences of ``beam`` rows, buffers of distinct sizes (torch.export keeps them apart)
             module = BeamGraph(eos, margin, beam, V)
-            example = (torch.zeros(3 * beam, 1, V), torch.zeros(1, V), torch.zeros(3 * beam))
+            N = 3 * beam
+            example = (torch.zeros(N, 1, V), torch.zeros(1, V), torch.zeros(N), torch.zeros(N, 13, dtype=torch.long),
+                       torch.zeros(N, 11), torch.zeros(N, 7, 11), torch.zeros(N, 1, 7), torch.tensor(5))
         else:
             module = GreedyGraph(step.module, w, b, eos, margin)
             K = int(getattr(decoder, "group_size", 1))

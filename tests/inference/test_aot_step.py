@@ -99,12 +99,12 @@ def test_generator_on_the_compiled_step_gives_fairseqs_hypotheses(compiled, beam
     assert a == b
 
 
-def ours_and_fairseqs(m, beam):
+def ours_and_fairseqs(m, beam, min_len=1):
     """Our generator and the hypotheses (token lists) of it and of fairseq's on three sentences."""
     src, lengths, _ = batch(bsz=3, src_len=9)
     sample = sat_sample(src, lengths)
-    ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
-    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12)
+    ours = SATSequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12, min_len=min_len)
+    ref = SequenceGenerator([m], DICT, beam_size=beam, max_len_a=0, max_len_b=12, min_len=min_len)
     a = ours.generate([m], sample)
     with torch.no_grad():
         b = ref.generate([m], sample)
@@ -240,9 +240,10 @@ def test_greedy_graph_equals_the_step_the_projection_and_the_scripted_rules(comp
 
 
 @slow
-def test_beam_graph_equals_the_scripted_candidates(compiled):
+def test_beam_graph_equals_the_scripted_candidates_and_advance(compiled):
     """Two sentences of a beam of 3 over logits with an EOS among the best: the compiled candidates equal the scripted
-    ones (scores 1e-5; parents, words, EOS flags, active rows and status exactly)."""
+    ones (scores 1e-5; parents, words, EOS flags, active rows and status exactly), and its advance the scripted
+    advance of those candidates with both sentences kept (rows, buffers written at the step)."""
     step, graph = search_graphs(compiled["transformer"], beam=3)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(6, 1, len(DICT), generator=g)
@@ -251,9 +252,16 @@ def test_beam_graph_equals_the_scripted_candidates(compiled):
     bias = torch.zeros(1, len(DICT))
     bias[0, DICT.pad()] = float("-inf")
     k = 6
-    ref = step_rules.scripted()[1](logits, bias, scores, 2, 3, k, 3, DICT.eos(), 0.0)
-    ours = graph.run(logits, bias, scores)
-    assert len(ours) == len(ref)
+    tokens = torch.randint(4, 50, (6, 10), generator=g)
+    cum, attn, step_attn = torch.randn(6, 9, generator=g), torch.rand(6, 5, 9, generator=g), torch.rand(6, 1, 5)
+    step = 4
+    rules = step_rules.scripted()
+    ref = rules[1](logits, bias, scores, 2, 3, k, 3, DICT.eos(), 0.0)
+    _, cand_sc, parents, words, _, active, _ = ref
+    base = torch.arange(2).unsqueeze(1) * 3
+    ref = ref + rules[2](tokens, cum, attn, step_attn, cand_sc, parents, words, active, base, step)
+    ours = graph.run(logits, bias, scores, tokens, cum, attn, step_attn, torch.tensor(step))
+    assert len(ours) == len(ref) == 12
     for i, (a, b) in enumerate(zip(ours, ref)):
         if a.is_floating_point():
             assert_close(a, b, atol=1e-5)
@@ -264,19 +272,25 @@ def test_beam_graph_equals_the_scripted_candidates(compiled):
 @slow
 @pytest.mark.parametrize("beam", [1, 3])
 def test_generator_on_the_searches_graphs_gives_fairseqs_hypotheses(compiled, beam, monkeypatch):
-    """The default generator with its search's graph ready takes it at every step but the beam's first, and
-    decodes fairseq's hypotheses."""
+    """The default generator with its search's graph ready takes it at every step but the beam's first (the beam:
+    its advance too, at every step where no sentence is done), and decodes fairseq's hypotheses."""
     m = compiled["transformer"]
     step, _ = search_graphs(m, beam=0 if beam == 1 else beam)
-    calls = []
+    calls, advances = [], []
     real = aot_step.AOTGraph.run if beam > 1 else search_graph.greedy_call
     if beam > 1:
         monkeypatch.setattr(aot_step.AOTGraph, "run", lambda self, *a: calls.append(1) or real(self, *a))
+        greedy, candidates, advance = step_rules.scripted()
+        monkeypatch.setattr(step_rules, "scripted", lambda: (greedy, candidates,
+                                                             lambda *a: advances.append(1) or advance(*a)))
     else:
         monkeypatch.setattr(search_graph, "greedy_call", lambda *a: calls.append(1) or real(*a))
-    ours, a, b = ours_and_fairseqs(m, beam)
+    ours, a, b = ours_and_fairseqs(m, beam, min_len=6)  # (this random model ends a search in 3 steps without)
     assert a == b
     assert len(calls) == ours.model.decoder_calls - (beam > 1)
+    if beam > 1:  # the scripted advance after the first step (one row a sentence) and where a sentence left, the
+        # graph's at every other step
+        assert 1 < len(advances) < len(calls) - 2
 
 
 @slow
