@@ -16,9 +16,10 @@ is ready, and only for float32 steps; a beam graph per beam size, for the steps 
 row per sentence). Until a graph is ready, and where it does not apply (int8, a capture mode other than ``aot``;
 greedy: a temperature other than 1 or more positions a call than
 :data:`~fairseq_ext.inference.static_step.AOT_MAX_POSITIONS`; beam: more rows than the scripted rules take), the
-search runs as before. The greedy graph takes ``topk`` for the best two words at every row count (the scripted
-rules switch to chunked maxima from 2 rows): the same values, the same word but among exactly equal values, which
-the near-tie margin already sends to fairseq's generator.
+search runs as before. The greedy graph takes the best two words as two maxima, the best and the best of the
+others (inductor makes each one loop; ``topk`` took ~80 us a call over 7,840 words), where the scripted rules take
+``topk`` or chunked maxima: the same values, the same word but among exactly equal values, which the near-tie margin
+already sends to fairseq's generator.
 """
 
 import weakref
@@ -31,7 +32,7 @@ from fairseq_ext.inference import aot_step
 from fairseq_ext.inference.static_step import AOT_MAX_POSITIONS, Step, StaticState, call_graph, compile_example
 from fairseq_ext.sat import step_rules
 
-_NO_CHUNKS = 1 << 30  # _greedy_pick's row count from which chunked maxima replace topk: never (module docstring)
+_TWO_MAXIMA = 0  # _greedy_pick's chunk for the best two words as two maxima (module docstring)
 
 
 class GreedyGraph(torch.nn.Module):
@@ -56,7 +57,7 @@ class GreedyGraph(torch.nn.Module):
         N, K = tokens.shape
         logits = torch.matmul(x, self.weight_t) if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
         lprobs, best_lp, best, status = step_rules._greedy_pick(logits.view(N, K, -1), rule_bias, self.eos,
-                                                                self.margin, _NO_CHUNKS)
+                                                                self.margin, 0, _TWO_MAXIMA)
         return lprobs, best_lp, best, status, attn
 
     @staticmethod

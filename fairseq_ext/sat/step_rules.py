@@ -74,12 +74,19 @@ GREEDY_CHUNKED_MIN_ROWS = 2
 def _greedy_choice(lprobs: Tensor, margin: float, chunk: int = TOP_K_CHUNK,
                    min_rows: int = GREEDY_CHUNKED_MIN_ROWS) -> Tuple[Tensor, Tensor, Tensor]:
     """The best log-probability and word of each position [N, K] (``max``), and [N] whether a row's best and
-    second best are closer than ``margin`` at a position (a near-tie: :data:`TIE_MARGIN`; never with 0)."""
+    second best are closer than ``margin`` at a position (a near-tie: :data:`TIE_MARGIN`; never with 0). The two
+    best by ``topk``, by :func:`chunked_topk` from ``min_rows`` rows, or (``chunk`` 0) as two maxima: the same
+    values; among exactly equal values another word, which is a near-tie."""
     if margin <= 0.0:
         best_lp, best = lprobs.max(dim=-1)
         return best_lp, best, torch.zeros(lprobs.size(0), dtype=torch.bool, device=lprobs.device)
     N, K, V = lprobs.size(0), lprobs.size(1), lprobs.size(2)
     flat = lprobs.reshape(N * K, V)
+    if chunk == 0:  # two maxima, the best and the best of the others: one loop each in a compiled graph
+        best_lp, best = flat.max(dim=1)
+        others = torch.where(torch.arange(V, device=flat.device) == best.unsqueeze(1), float("-inf"), flat)
+        second = others.amax(dim=1)
+        return best_lp.view(N, K), best.view(N, K), (best_lp - second < margin).view(N, K).any(dim=1)
     if N * K >= min_rows and V >= 2 * chunk:
         values, index = chunked_topk(flat, 2, chunk)
     else:
