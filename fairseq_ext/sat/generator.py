@@ -486,7 +486,7 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                 base = (keep if keep is not None else torch.arange(n, device=dev)).unsqueeze(1) * P
                 advance = rules[2] if scripted else step_rules._beam_advance
                 rows, scores, tokens, cum, attn = advance(tokens, cum, attn, step_attn, cand_sc, parents, words,
-                                                          active, base, step)
+                                                          active, base, torch.tensor([step], device=dev))
             sents = [sents[s_] for s_ in keep_sents]
             # the rows of a sentence stay together: the sources move only when the beam opens or sentences leave
             encoder_outs = self._reorder(state, encoder_outs, rows, same_sources=P == B and keep is None)

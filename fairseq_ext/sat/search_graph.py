@@ -90,14 +90,9 @@ class BeamGraph(torch.nn.Module):
         n = logits.size(0) // B
         out = step_rules._beam_candidates(logits, rule_bias, scores, n, B, self.k, B, self.eos, self.margin)
         _, cand_sc, parents, words, _, active, _ = out
-        # _beam_advance with base = arange(n) * B, its writes at ``step`` as index_copy (``step`` is an input)
-        rows = (torch.arange(n, device=logits.device).unsqueeze(1) * B + parents.gather(1, active)).view(-1)
-        new_scores = cand_sc.gather(1, active).view(-1)
-        at = step.view(1)
-        tokens = tokens.index_select(0, rows).index_copy(1, at + 1, words.gather(1, active).view(-1, 1))
-        cum = cum.index_select(0, rows).index_copy(1, at, new_scores.view(-1, 1))
-        attn = attn.index_select(0, rows).index_copy(2, at, step_attn[:, 0].index_select(0, rows).unsqueeze(2))
-        return out + (rows, new_scores, tokens, cum, attn)
+        base = torch.arange(n, device=logits.device).unsqueeze(1) * B  # every sentence kept
+        return out + step_rules._beam_advance(tokens, cum, attn, step_attn, cand_sc, parents, words, active, base,
+                                              step.view(1))
 
     @staticmethod
     def dynamic_shapes(example):

@@ -231,19 +231,18 @@ def _beam_status(finite_eos: Tensor, B: int, nan: Tensor, near: Tensor) -> Tenso
 
 def _beam_advance(tokens: Tensor, cum: Tensor, attn: Optional[Tensor], step_attn: Optional[Tensor], cand_sc: Tensor,
                   parents: Tensor, words: Tensor, active: Tensor, base: Tensor,
-                  step: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+                  step: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
     """The next hypotheses of a beam step: rows ``base + parent`` of the active candidates [n', B], their scores,
-    the token buffer, cumulative scores and attention reordered and written at ``step``. Returns (rows, scores,
-    tokens, cum, attn)."""
+    the token buffer, cumulative scores and attention reordered and written at ``step`` (a one-element tensor, so
+    that a compiled graph takes it as an input: :class:`~fairseq_ext.sat.search_graph.BeamGraph`). Returns (rows,
+    scores, tokens, cum, attn)."""
     rows = (base + parents.gather(1, active)).view(-1)
     scores = cand_sc.gather(1, active).view(-1)
-    tokens = tokens.index_select(0, rows)
-    tokens[:, step + 1] = words.gather(1, active).view(-1)
-    cum = cum.index_select(0, rows)
-    cum[:, step] = scores
+    tokens = tokens.index_select(0, rows).index_copy_(1, step + 1, words.gather(1, active).view(-1, 1))
+    cum = cum.index_select(0, rows).index_copy_(1, step, scores.view(-1, 1).to(cum.dtype))
     if attn is not None and step_attn is not None:
-        attn = attn.index_select(0, rows)
-        attn[:, :, step] = step_attn[:, 0].index_select(0, rows)
+        attn = attn.index_select(0, rows).index_copy_(
+            2, step, step_attn[:, 0].index_select(0, rows).unsqueeze(2).to(attn.dtype))
     return rows, scores, tokens, cum, attn
 
 

@@ -259,7 +259,7 @@ def test_beam_graph_equals_the_scripted_candidates_and_advance(compiled):
     ref = rules[1](logits, bias, scores, 2, 3, k, 3, DICT.eos(), 0.0)
     _, cand_sc, parents, words, _, active, _ = ref
     base = torch.arange(2).unsqueeze(1) * 3
-    ref = ref + rules[2](tokens, cum, attn, step_attn, cand_sc, parents, words, active, base, step)
+    ref = ref + rules[2](tokens, cum, attn, step_attn, cand_sc, parents, words, active, base, torch.tensor([step]))
     ours = graph.run(logits, bias, scores, tokens, cum, attn, step_attn, torch.tensor(step))
     assert len(ours) == len(ref) == 12
     for i, (a, b) in enumerate(zip(ours, ref)):
