@@ -233,12 +233,14 @@ class Corpus:
 
 
 def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
-    """fairseq-train into WORKDIR/checkpoints/NAME (resumed from its checkpoint_last.pt when a run was cut), then
-    the average of its last interval checkpoints (checkpoint_avg.pt). Result: the training summary."""
+    """fairseq-train into WORKDIR/checkpoints/NAME (resumed from its checkpoint_last.pt when a run of the same
+    settings was cut; started afresh when they changed), then the average of its last interval checkpoints
+    (checkpoint_avg.pt). Result: the training summary."""
 
     def run(job, S):
         ck = S.dir("checkpoints", name)
         log = S.log(name, "train.log")
+        _fresh_if_changed(S.job_hash(name), ck, [log, S.log(name, "average.log")])
         cpu = S.fairseq("train", [bin_dir, "--user-dir", USER_DIR, "--save-dir", ck, *argv], log, threads)
         avg = S.worker("average", {"ckpt_dir": ck, "output": os.path.join(ck, "checkpoint_avg.pt")},
                        S.log(name, "average.log"))
@@ -251,6 +253,29 @@ def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
 
     return Job(name, run, {"argv": argv, "bin": os.path.basename(bin_dir), **settings}, deps, threads,
                what=what or f"fairseq-train {name}")
+
+
+def _fresh_if_changed(settings_hash, ck, logs):
+    """A training directory keeps the hash of the settings its checkpoints were trained with (``.settings``); when
+    they changed, its checkpoints and logs are removed so that fairseq does not resume another training (a directory
+    without the file, from before it was kept, is resumed as it is)."""
+    stamp = os.path.join(ck, ".settings")
+    try:
+        with open(stamp, encoding="utf-8") as f:
+            old = f.read().strip()
+    except FileNotFoundError:
+        old = None
+    if old is not None and old != settings_hash:
+        for f in os.listdir(ck):
+            if f.endswith(".pt"):
+                os.remove(os.path.join(ck, f))
+        for f in logs:
+            if os.path.exists(f):
+                os.remove(f)
+    if old != settings_hash:
+        with open(stamp + ".tmp", "w", encoding="utf-8") as f:
+            f.write(settings_hash + "\n")
+        os.replace(stamp + ".tmp", stamp)
 
 
 def eval_job(name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, threads=1, src="de", tgt="en"):

@@ -8,14 +8,16 @@ cross-entropy rises within a group (Figure 6, models trained without distillatio
 Here, so that no arm is favoured: one teacher, the release transformer trained on in rounds until a round no longer
 gains (each round ``--sat-teacher-updates`` updates from the previous round's average at the students' peak lr, a
 warm restart; the teacher is the last round that gained at least ``--sat-teacher-gain`` valid BLEU, beam 4, over the
-one before it, or the release itself), which is also where every student starts; the training set re-translated by
-it with beam 4. Every K of ``--sat-ks`` (K = 1: the same pipeline without the semi-autoregressive part) is
-trained twice, on the distilled targets and on the real ones, each recipe with the learning rate and
-initialisation its own K = 2 pilots chose (the same grid, the same pilot length and rule past the grid's edges,
-valid greedy BLEU), and every
-student runs the same fixed number of updates (no early stopping: patience on the valid loss against the real
-references would stop the distilled students early), evaluated on the average of its last 3 checkpoints. The
-verdict per K takes the better recipe by valid BLEU (beam 4), read on the test set; both are reported.
+one before it, or the release itself), then trained on by self-distillation while that gains (round d: a K = 1
+student on the training set re-translated by the teacher, from the teacher; it becomes the teacher while it beats it
+by ``--sat-teacher-gain``, so that the final teacher's own K = 1 distilled student does not beat it by more). The
+teacher is also where every student starts; the training set re-translated by it with beam 4. Every K of
+``--sat-ks`` (K = 1: the same pipeline without the semi-autoregressive part) is trained twice, on the distilled
+targets and on the real ones, each recipe with the learning rate and initialisation its own K = 2 pilots chose (the
+same grid, the same pilot length and rule past the grid's edges, valid greedy BLEU), and every student runs the same
+fixed number of updates (no early stopping: patience on the valid loss against the real references would stop the
+distilled students early), evaluated on the average of its last 3 checkpoints. The verdict per K takes the better
+recipe by valid BLEU (beam 4), read on the test set; both are reported.
 """
 
 import os
@@ -51,6 +53,10 @@ def options(p):
                         "at 0.002 a round lost 0.6 valid BLEU while K = 1 students at 0.004 beat the teacher)")
     g.add_argument("--sat-teacher-rounds", type=int, default=4,
                    help="at most this many rounds (default 4); the report says when the last one still gained")
+    g.add_argument("--sat-teacher-distill-rounds", type=int, default=3,
+                   help="then at most this many rounds of self-distillation (default 3; 0: none): a K = 1 student "
+                        "on the teacher's beam-4 translations, from it, at --sat-teacher-lr for --sat-max-update "
+                        "updates, which becomes the teacher while it gains --sat-teacher-gain")
     g.add_argument("--sat-teacher-gain", type=float, default=0.3,
                    help="a round gains when its valid BLEU (beam 4) beats the previous one's by this much "
                         "(default 0.3)")
@@ -59,12 +65,19 @@ def options(p):
 class SAT:
     def __init__(self, ctx):
         self.ctx, self.S, self.a, self.corpus = ctx, ctx.S, ctx.args, ctx.corpus
-        self.kd_bin = os.path.join(self.S.W, "bin-de-en-kd-beam4")
+        self.kd_name, self.kd_bin = self.kd_names(0)
+        self.k1_round = None  # the last self-distillation round when it did not gain: the teacher's K = 1 student
         self.ks = [int(k) for k in self.a.sat_ks.split(",")]
         self.smoke = self.a.smoke
 
     def bin_of(self, recipe):
-        return (self.kd_bin, "sat-kd-beam4") if recipe == "kd" else (self.corpus.bin, "data")
+        return (self.kd_bin, self.kd_name) if recipe == "kd" else (self.corpus.bin, "data")
+
+    def kd_names(self, stage):
+        """(job, binarised directory) of the training set re-translated by the teacher of ``stage`` (0: after the
+        rounds on the real targets; d: after d rounds of self-distillation)."""
+        suffix = f"-d{stage}" if stage else ""
+        return f"sat-kd-beam4{suffix}", os.path.join(self.S.W, f"bin-de-en-kd-beam4{suffix}")
 
     # -- jobs ----------------------------------------------------------------------------------------------
     def teacher(self):
@@ -101,19 +114,61 @@ class SAT:
             best, prev = name, S.result(name)["checkpoint"]
         return best, scores, bool(a.sat_teacher_updates)
 
-    def student_argv(self, K, lr, init, max_update):
+    def distill(self, teacher, score):
+        """Self-distillation rounds from ``teacher`` (the job whose checkpoint it is, None: --sat-teacher) of valid
+        BLEU ``score`` (beam 4): round d trains a K = 1 student on the training set re-translated by the teacher
+        (beam 4), from the teacher (every weight), at --sat-teacher-lr for --sat-max-update updates; while it beats
+        the teacher by --sat-teacher-gain it becomes the teacher, as the fairseq transformer it computes. Returns
+        (the teacher's job or None, its stage, [(round, valid BLEU beam 4)], the last round when it did not gain,
+        whether the last round allowed still gained); sets the distilled data the students read."""
+        S, a = self.S, self.a
+        scores, stage = [], 0
+        for d in range(1, a.sat_teacher_distill_rounds + 1):
+            path_of, deps = self.path_of(teacher), [teacher] if teacher else []
+            kd_name, kd_bin = self.kd_names(d - 1)
+            S.add(self.kd_job(d - 1, path_of, deps))
+            name = f"sat-teacher-d{d}"
+            argv = self.student_argv(1, a.sat_teacher_lr, "decoder", a.sat_max_update, path_of(S))
+            S.add(train_job(name, S, kd_bin, argv, [kd_name, *deps], {}, threads=a.threads,
+                            what=f"the teacher, self-distillation round {d}: K=1 on its translations"))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                           [("valid", 1), ("valid", 4), ("test", 1), ("test", 4)], [name]))
+            S.run_all([f"{name}-eval"])
+            scores.append((d, S.result(f"{name}-eval")["bleu_valid_beam4"]))
+            if scores[-1][1] - score < a.sat_teacher_gain:
+                self.k1_round = (name, argv, kd_name, [kd_name, *deps])
+                self.kd_name, self.kd_bin = kd_name, kd_bin
+                return teacher, stage, scores, False
+            export = f"{name}-transformer"
+            S.add(Job(export, lambda job, S, n=name: S.worker(
+                "as_transformer", {"ckpt": S.result(n)["checkpoint"],
+                                   "output": os.path.join(S.dir("checkpoints", n), "checkpoint_transformer.pt")},
+                S.log(f"{n}-transformer")), {"as": "transformer"}, [name],
+                what=f"round {d} as a fairseq transformer checkpoint"))
+            S.run_all([export])
+            teacher, stage, score = export, d, scores[-1][1]
+        self.kd_name, self.kd_bin = self.kd_names(stage)
+        return teacher, stage, scores, bool(scores)
+
+    def path_of(self, teacher):
+        """The teacher's checkpoint path, from the scheduler, of the job ``teacher`` (None: --sat-teacher)."""
+        return (lambda S: S.result(teacher)["checkpoint"]) if teacher else (lambda S: self.a.sat_teacher)
+
+    def student_argv(self, K, lr, init, max_update, start=None):
         argv = ["--task", "translation_sat", "--arch", "sat_transformer", "--source-lang", "de",
-                "--target-lang", "en", "--sat-group-size", str(K), "--sat-init-from", self.teacher_path,
+                "--target-lang", "en", "--sat-group-size", str(K), "--sat-init-from", start or self.teacher_path,
                 *size_args(self.a.dim), *PRE_NORM, *adam_args(lr, warmup=200)]
         if init == "decoder":
             argv.append("--sat-init-decoder")
         return argv + fixed_budget_args(max_update, interval=20 if self.smoke else 500)
 
-    def kd_job(self, teacher_of, deps):
+    def kd_job(self, stage, teacher_of, deps):
+        name, kd_bin = self.kd_names(stage)
+
         def run(job, S):
-            out = S.dir("kd-beam4")
-            log = S.log("kd-beam4")
-            if not os.path.exists(os.path.join(self.kd_bin, ".done")):
+            out = S.dir(name[4:])
+            log = S.log(name[4:])
+            if not os.path.exists(os.path.join(kd_bin, ".done")):
                 S.fairseq("generate", [self.corpus.bin, "--user-dir", USER_DIR, "--task", "translation_sat",
                                        "--source-lang", "de", "--target-lang", "en", "--path", teacher_of(S),
                                        "--gen-subset", "train", "--beam", "4", "--lenpen", "1.0", "--max-len-a",
@@ -125,14 +180,14 @@ class SAT:
                 S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref", f"{out}/train",
                                          "--validpref", f"{self.corpus.data}/valid.spm", "--testpref",
                                          f"{self.corpus.data}/test.spm", "--srcdict", f"{self.corpus.bin}/dict.de.txt",
-                                         "--tgtdict", f"{self.corpus.bin}/dict.en.txt", "--destdir", self.kd_bin,
+                                         "--tgtdict", f"{self.corpus.bin}/dict.en.txt", "--destdir", kd_bin,
                                          "--workers", "1"], log)
-                open(os.path.join(self.kd_bin, ".done"), "w").close()
+                open(os.path.join(kd_bin, ".done"), "w").close()
             with open(f"{out}/train.en", encoding="utf-8") as f:
                 n = sum(1 for _ in f)
             return {"pairs": n, "summary": f"{n} pairs re-translated with beam 4"}
 
-        return Job("sat-kd-beam4", run, {"teacher": self.start_digest, "beam": 4, "bound": [1.2, 10]},
+        return Job(name, run, {"teacher": self.start_digest, "beam": 4, "bound": [1.2, 10]},
                    ["data", *deps], threads=self.a.threads,
                    what="the training set re-translated by the teacher (beam 4)")
 
@@ -167,9 +222,16 @@ class SAT:
                 bin_dir, dep = self.bin_of(recipe)
                 name = f"sat-k{K}-{recipe}"
                 argv = self.student_argv(K, lr, init, self.a.sat_max_update)
-                self.S.add(train_job(name, self.S, bin_dir, argv, [dep, *self.teacher_deps], {},
-                                     what=f"K={K}, {'distilled' if recipe == 'kd' else 'real'} targets, init "
-                                          f"{init}, lr {lr}"))
+                if self.k1_round and self.k1_round[1:] == (argv, dep, [dep, *self.teacher_deps]):
+                    # the teacher's last self-distillation round is this very training: the same result
+                    r = self.k1_round[0]
+                    self.S.add(Job(name, lambda job, S, r=r: {k: v for k, v in S.result(r).items() if k not in (
+                        "ok", "settings_hash", "minutes", "threads", "code_commit")} | {"same_as": r},
+                        {"same_as": r}, [r], what=f"K=1, distilled targets: the same training as {r}"))
+                else:
+                    self.S.add(train_job(name, self.S, bin_dir, argv, [dep, *self.teacher_deps], {},
+                                         what=f"K={K}, {'distilled' if recipe == 'kd' else 'real'} targets, "
+                                              f"init {init}, lr {lr}"))
                 self.S.add(eval_job(f"{name}-eval", self.S, lambda S, n=name: S.result(n)["checkpoint"],
                                     self.corpus, [("valid", 1), ("valid", 4), ("test", 1), ("test", 4)], [name]))
                 names.append(name)
@@ -218,14 +280,17 @@ class SAT:
     def run(self):
         S = self.S
         teacher, rounds, still_gaining = self.teacher()
-        self.teacher_path_of = ((lambda S: S.result(teacher)["checkpoint"]) if teacher
-                                else (lambda S: self.a.sat_teacher))
+        real_rounds_teacher = teacher
+        teacher, stage, distilled, distill_gaining = self.distill(teacher, dict(rounds)[_round_of(teacher)])
+        self.teacher_path_of = self.path_of(teacher)
         self.teacher_deps = [teacher] if teacher else []
         self.teacher_path = self.teacher_path_of(S)
         self.ctx.say("sat: teacher rounds on valid (beam 4): " + ", ".join(f"{r}: {b:.2f}" for r, b in rounds)
+                     + "; self-distillation rounds: " + (", ".join(f"{d}: {b:.2f}" for d, b in distilled) or "none")
                      + f" -> the teacher is {teacher or 'the starting point'}"
-                     + (" (the last round still gained)" if still_gaining else ""))
-        S.add(self.kd_job(self.teacher_path_of, self.teacher_deps))
+                     + (" (the last round still gained)" if still_gaining or distill_gaining else ""))
+        if self.kd_name not in S.jobs:
+            S.add(self.kd_job(stage, self.teacher_path_of, self.teacher_deps))
         chosen, scored = self.pilots()
         self.ctx.say("sat: pilots on valid (greedy BLEU): " + ", ".join(f"{n[10:]} {b:.2f}" for n, b in
                                                                          scored.items())
@@ -235,7 +300,10 @@ class SAT:
         S.run_all([f"{n}-eval" for n in students] + analysis)
         return {"chosen": {r: {"init": i, "lr": lr} for r, (i, lr) in chosen.items()}, "pilots": scored,
                 "students": students, "teacher": teacher, "teacher_rounds": rounds,
-                "teacher_still_gaining": still_gaining}
+                "teacher_real_rounds": real_rounds_teacher, "teacher_distill_rounds": distilled,
+                "teacher_k1_round": self.k1_round[0] if self.k1_round else None,
+                "teacher_still_gaining": still_gaining, "teacher_distill_still_gaining": distill_gaining,
+                "kd_data": self.kd_name}
 
 
 def smoke(a):
@@ -243,12 +311,20 @@ def smoke(a):
     a.sat_max_update, a.sat_pilot_updates = 40, 20
     if a.sat_teacher_updates:
         a.sat_teacher_updates, a.sat_teacher_rounds = 40, min(a.sat_teacher_rounds, 2)
+    a.sat_teacher_distill_rounds = min(a.sat_teacher_distill_rounds, 1)
+
+
+def _round_of(teacher):
+    """The round number of a real-target teacher round's job (0: --sat-teacher itself)."""
+    return int(teacher.rsplit("-r", 1)[1]) if teacher else 0
 
 
 def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     """The BLEU table: the teacher, then every student with its updates, minutes, curve check and ratio."""
-    r = _teacher_round(outcome)
-    label = f"Transformer (teacher: the release + {r} round{'s' * (r > 1)})" if r else "Transformer (teacher, release)"
+    r, d = _teacher_round(outcome), _teacher_stage(outcome)
+    label = (f"Transformer (teacher: the release + {r} round{'s' * (r != 1)}"
+             + (f" + {d} self-distillation round{'s' * (d != 1)})" if d else ")") if r or d
+             else "Transformer (teacher, release)")
     rows = [[label, *(R.fmt(teacher[k]) for k in KEYS), teacher_tr.get("updates", "-") if teacher_tr else "-",
              curve_cell(teacher_tr) if teacher_tr else "-", "100%", "-"]]
     for n in outcome["students"]:
@@ -262,8 +338,20 @@ def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
 
 
 def _teacher_round(outcome):
-    """The teacher's round (0: the starting point itself)."""
-    return int(outcome["teacher"].rsplit("-r", 1)[1]) if outcome["teacher"] else 0
+    """The teacher's round on the real targets (0: the starting point itself)."""
+    return _round_of(outcome.get("teacher_real_rounds", outcome["teacher"]))
+
+
+def _teacher_stage(outcome):
+    """How many self-distillation rounds made the teacher (0: it is a round on the real targets)."""
+    t = outcome["teacher"]
+    return int(t.rsplit("-d", 1)[1].split("-")[0]) if t and t.startswith("sat-teacher-d") else 0
+
+
+def _teacher_training(outcome):
+    """The training job of the teacher (None: --sat-teacher as it is)."""
+    t = outcome["teacher"]
+    return t[:-len("-transformer")] if t and t.endswith("-transformer") else t
 
 
 def _teacher_line(a, outcome):
@@ -276,11 +364,26 @@ def _teacher_line(a, outcome):
     r = _teacher_round(outcome)
     stop = (f"the last round allowed (--sat-teacher-rounds {a.sat_teacher_rounds}) still gained"
             if outcome["teacher_still_gaining"] else f"round {len(outcome['teacher_rounds']) - 1} gained less")
-    return (f"{start} trained on in rounds of {a.sat_teacher_updates} updates on the real targets, each from the "
+    line = (f"{start} trained on in rounds of {a.sat_teacher_updates} updates on the real targets, each from the "
             f"previous round's average with a fresh adam (lr {a.sat_teacher_lr}, warmup 200, label smoothing 0.1, the "
             f"average of its last 3 checkpoints), until a round gains less than {a.sat_teacher_gain} valid BLEU "
-            f"(beam 4) over the one before: valid BLEU by round {by_round}; {stop}, so the teacher is "
+            f"(beam 4) over the one before: valid BLEU by round {by_round}; {stop}, so "
             + (f"round {r}" if r else "the starting point"))
+    distilled = outcome.get("teacher_distill_rounds") or []
+    if not distilled:
+        return line + " is the teacher"
+    d = _teacher_stage(outcome)
+    k1 = outcome.get("teacher_k1_round")
+    return (line + "; then rounds of self-distillation, each a K = 1 student of "
+            f"{a.sat_max_update} updates (lr {a.sat_teacher_lr}, every weight from the teacher) on the training set "
+            "re-translated by the teacher (beam 4), which becomes the teacher while it gains at least "
+            f"{a.sat_teacher_gain} valid BLEU (beam 4) over it, so that the final teacher's own K = 1 distilled "
+            "student does not beat it by more: valid BLEU by round "
+            + ", ".join(f"{b:.2f}" for _, b in distilled) + "; the teacher is "
+            + (f"self-distillation round {d}" if d else "that round")
+            + (f" (round {k1.rsplit('-d', 1)[1]}, which gained less, is its K = 1 distilled student)" if k1 else
+               f" (the last round allowed, --sat-teacher-distill-rounds {a.sat_teacher_distill_rounds}, still "
+               "gained)"))
 
 
 def _speed_rows(speed, ks):
@@ -352,6 +455,7 @@ def _markdown(S, a, outcome, verdict, reason, tables, ev, teacher, fig6, prov_li
     chosen = "; ".join(f"{'distilled' if r == 'kd' else 'real'} targets: init **{c['init']}**, lr **{c['lr']}**"
                        for r, c in outcome["chosen"].items())
     teacher_line = _teacher_line(a, outcome)
+    kd_pairs = S.result(outcome.get("kd_data", "sat-kd-beam4"))["pairs"]
     inits = " and ".join(f"`{i}`" for i in a.sat_pilot_inits.split(","))
     npilots = ", ".join(f"{sum(n.startswith(f'sat-pilot-{r}-') for n in outcome['pilots'])} pilots "
                         f"{'distilled' if r == 'kd' else 'real'}" for r in RECIPES)
@@ -370,7 +474,7 @@ inside a group (Figure 6).
 ```
 
 **Setup.** Teacher: {teacher_line}; pre-norm, d {a.dim}, 3 + 3 layers; it is also every student's starting point.
-The training set re-translated by it with beam 4 ({S.result('sat-kd-beam4')['pairs']} pairs). Every K trained on
+The training set re-translated by it with beam 4 ({kd_pairs} pairs). Every K trained on
 those distilled targets and on the real ones, {a.sat_max_update} updates each (no early stopping), adam,
 inverse_sqrt, warmup 200, label smoothing 0.1, 1,024 tokens a batch, validated every 500 updates, the last 3
 checkpoints averaged. Each recipe's initialisation and learning rate chosen by K = 2 pilots of
@@ -418,7 +522,7 @@ def report(ctx, outcome):
     ev = {n: S.result(f"{n}-eval") for n in outcome["students"]}
     tr = {n: trained(S, n) for n in outcome["students"]}
     teacher = S.result("sat-teacher-eval")
-    teacher_tr = trained(S, outcome["teacher"]) if outcome["teacher"] else None
+    teacher_tr = trained(S, _teacher_training(outcome)) if outcome["teacher"] else None
     ks = sorted({int(n.split("-")[1][1:]) for n in outcome["students"]})
     by, best, better = ratios(ev, teacher, ks)
     by_valid, _, _ = ratios(ev, teacher, ks, "bleu_valid_beam4")
@@ -439,14 +543,17 @@ def report(ctx, outcome):
     if not_run:
         reason += (f" Not run here (--sat-ks {a.sat_ks}): K = {', '.join(not_run)}, so "
                    f"{'its target is' if len(not_run) == 1 else 'their targets are'} not tested.")
-    if outcome["teacher_still_gaining"]:
+    gaining = outcome["teacher_still_gaining"] or outcome.get("teacher_distill_still_gaining", False)
+    flag = ("--sat-teacher-distill-rounds" if outcome.get("teacher_distill_still_gaining")
+            else "--sat-teacher-rounds")
+    if gaining:
         reason += (f" The teacher's last round still gained {a.sat_teacher_gain} valid BLEU or more: a longer "
-                   "teacher (--sat-teacher-rounds) would change every ratio.")
+                   f"teacher ({flag}) would change every ratio.")
     # the students' curves, and the teacher's rounds (a teacher still gaining makes every ratio optimistic)
     verdict, reason = R.past_early_regime(
         verdict, reason, " ".join(filter(None, [still_falling([(n, tr[n]) for n in outcome["students"]]),
-                                                "the teacher's rounds" * outcome["teacher_still_gaining"]])),
-        "--sat-max-update" + " / --sat-teacher-rounds" * outcome["teacher_still_gaining"])
+                                                "the teacher's rounds" * gaining])),
+        "--sat-max-update" + f" / {flag}" * gaining)
     used = [S.result(n) for n in S.results if n.startswith("sat-")]
     prov, prov_line = R.provenance(used, "sat")
     prow = [[n[10:].replace("-lr", ", lr ").replace("-", ", ", 1), R.fmt(b)]
@@ -463,8 +570,10 @@ def report(ctx, outcome):
               "paper_ratio_to_teacher": {k: round(v, 4) for k, v in PAPER["ratio_to_teacher"].items()},
               "paper_speedup_cpu": PAPER["speedup_cpu"], "targets": TARGET,
               "teacher": {**{k: teacher[k] for k in KEYS}, "round": _teacher_round(outcome),
+                          "self_distillation_round": _teacher_stage(outcome),
+                          "valid_beam4_by_self_distillation_round": outcome.get("teacher_distill_rounds", []),
                           "round_updates": a.sat_teacher_updates, "valid_beam4_by_round": outcome["teacher_rounds"],
-                          "still_gaining": outcome["teacher_still_gaining"]},
+                          "still_gaining": gaining},
               "students": {n: {**{k: ev[n][k] for k in KEYS}, "updates": tr[n]["updates"],
                                "minutes": round(tr[n].get("train_minutes") or tr[n]["minutes"], 1),
                                "seed": tr[n].get("seed")} for n in outcome["students"]},

@@ -5,7 +5,7 @@
 ``evaluate`` (sacreBLEU of a checkpoint on valid / test, greedy and beam 4, hypotheses kept), ``average`` (the
 last interval checkpoints of a training), ``position_ce`` (the SAT paper's Figure 6), ``speed`` (batch-1 decoding
 latency of several models, interleaved in one process), ``group_repeats`` (repeated subwords inside and across
-SAT groups).
+SAT groups), ``as_transformer`` (a K = 1 SAT checkpoint as the fairseq transformer it computes).
 """
 
 import glob
@@ -192,7 +192,35 @@ def group_repeats(spm_files, Ks):
     return {"files": out}
 
 
-FUNCTIONS = {f.__name__: f for f in (evaluate, average, position_ce, speed, group_repeats)}
+def as_transformer(ckpt, output):
+    """A ``sat_transformer`` checkpoint with K = 1 as a fairseq ``transformer`` checkpoint of the same weights: with
+    one position per group the relaxed causal mask is the causal mask and the input shift is one word, so it is the
+    Transformer it was initialised as (a SAT teacher trained on by self-distillation decodes with fairseq's own
+    generator). Refuses any other K."""
+    import dataclasses
+
+    import torch
+    from fairseq.tasks.translation import TranslationConfig
+
+    from fairseq_ext import checkpoints
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    model = state["cfg"]["model"]
+    if getattr(model, "_name", None) != "sat_transformer" or getattr(model, "sat_group_size", None) != 1:
+        raise ValueError(f"{ckpt}: not a sat_transformer with K = 1")
+    for k in [k for k in vars(model) if k.startswith("sat_")]:
+        delattr(model, k)
+    model._name = model.arch = "transformer"
+    known = {f.name for f in dataclasses.fields(TranslationConfig)}
+    state["cfg"]["task"] = {"_name": "translation",
+                            **{k: v for k, v in state["cfg"]["task"].items() if k in known}}
+    if state.get("args") is not None:
+        state["args"] = None
+    checkpoints.atomic_torch_save(state, output)
+    return {"checkpoint": output, "from": ckpt}
+
+
+FUNCTIONS = {f.__name__: f for f in (evaluate, average, position_ce, speed, group_repeats, as_transformer)}
 
 
 def main(argv):

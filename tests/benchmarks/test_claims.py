@@ -212,13 +212,13 @@ def test_sat_report_names_the_teachers_rounds_and_a_last_round_still_gaining(tmp
     assert rec["teacher"]["round"] == 1 and rec["teacher"]["valid_beam4_by_round"] == [[0, 25.0], [1, 26.0],
                                                                                        [2, 26.1]]
     assert "| Transformer (teacher: the release + 1 round) | 20.00 |" in md
-    assert ("valid BLEU by round start 25.00, round 1 26.00, round 2 26.10; round 2 gained less, so the teacher is "
-            "round 1") in md
+    assert ("valid BLEU by round start 25.00, round 1 26.00, round 2 26.10; round 2 gained less, so round 1 is "
+            "the teacher") in md
     assert "still gained" not in rec["reason"]
     rec, md = _sat_report(tmp_path / "gaining", **scores, rounds=((0, 25.0), (1, 26.0)), still_gaining=True)
     assert rec["teacher"]["still_gaining"] and "a longer teacher (--sat-teacher-rounds) would change" in rec["reason"]
     assert rec["verdict"] == "not tested" and "--sat-max-update / --sat-teacher-rounds" in rec["reason"]
-    assert "the last round allowed (--sat-teacher-rounds 4) still gained, so the teacher is round 1" in md
+    assert "the last round allowed (--sat-teacher-rounds 4) still gained, so round 1 is the teacher" in md
 
 
 class _FakeRounds:
