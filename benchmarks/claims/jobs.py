@@ -29,6 +29,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
+POLL = 0.05  # seconds between looks at the running steps
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -217,7 +218,7 @@ class Scheduler:
             if errors:
                 if not running:
                     raise ClaimsError(errors[0])
-                time.sleep(0.5)
+                time.sleep(POLL)
                 continue
             started = False
             for n in list(pending):
@@ -239,7 +240,7 @@ class Scheduler:
                 if not running and pending:
                     stuck = ", ".join(pending[:3])
                     raise ClaimsError(f"steps {stuck} wait for steps that did not run")
-                time.sleep(0.5)
+                time.sleep(POLL)
         return time.time() - t_start
 
     def _closure(self, names):

@@ -90,7 +90,7 @@ def _bleu(v):
 
 
 def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), (1, 26.0), (2, 26.1)),
-                still_gaining=False, edit=None):
+                still_gaining=False, edit=None, outcome_extra=None):
     """The SAT report from fabricated results: K -> test/valid BLEU of the distilled and the real-target student."""
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w")])
@@ -121,7 +121,7 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
                                                 "real": {"init": "paper", "lr": 0.002}},
                "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
                "teacher": "sat-teacher-r1", "teacher_rounds": [list(r) for r in rounds],
-               "teacher_still_gaining": still_gaining}
+               "teacher_still_gaining": still_gaining, **(outcome_extra or {})}
     claims_sat.report(ctx, outcome)
     docs = tmp_path / "docs"
     return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
@@ -221,6 +221,29 @@ def test_sat_report_names_the_teachers_rounds_and_a_last_round_still_gaining(tmp
     assert "the last round allowed (--sat-teacher-rounds 4) still gained, so round 1 is the teacher" in md
 
 
+def test_sat_report_names_the_self_distillation_rounds_that_made_the_teacher(tmp_path):
+    def edit(S):
+        S.results["sat-teacher-d1"] = dict(S.results["sat-teacher-r1"], updates=6000)
+        S.results["sat-kd-beam4-d1"] = {"pairs": 99}
+
+    extra = {"teacher": "sat-teacher-d1-transformer", "teacher_real_rounds": "sat-teacher-r1",
+             "teacher_distill_rounds": [[1, 27.0], [2, 27.1]], "teacher_k1_round": "sat-teacher-d2",
+             "teacher_distill_still_gaining": False, "kd_data": "sat-kd-beam4-d1"}
+    rec, md = _sat_report(tmp_path, kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0}, edit=edit, outcome_extra=extra)
+    assert rec["teacher"]["round"] == 1 and rec["teacher"]["self_distillation_round"] == 1
+    assert rec["teacher"]["valid_beam4_by_self_distillation_round"] == [[1, 27.0], [2, 27.1]]
+    assert "| Transformer (teacher: the release + 1 round + 1 self-distillation round) | 20.00 |" in md
+    assert "| 6000 |" in md.split("| Transformer (teacher")[1].split("\n")[0]  # the teacher's own training
+    assert ("valid BLEU by round 27.00, 27.10; the teacher is self-distillation round 1 (round 2, which gained less, "
+            "is its K = 1 distilled student)") in md
+    assert "(99 pairs)" in md and "still gained" not in rec["reason"]
+    extra.update(teacher_k1_round=None, teacher_distill_still_gaining=True)
+    rec, md = _sat_report(tmp_path / "gaining", kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0}, edit=edit,
+                          outcome_extra=extra)
+    assert "a longer teacher (--sat-teacher-distill-rounds) would change" in rec["reason"]
+    assert "(the last round allowed, --sat-teacher-distill-rounds 3, still gained)" in md
+
+
 class _FakeRounds:
     """claims_sat's train_job / eval_job replaced: round r's valid BLEU (beam 4) is ``bleu[r]``; records the rounds
     trained and the checkpoint each started from."""
@@ -269,6 +292,123 @@ def test_sat_teacher_rounds_stop_at_the_first_round_that_does_not_gain(tmp_path,
     S.add(Job("data", lambda job, S: {}, {}))
     claims_sat.SAT(type("Ctx", (), {"S": S, "args": args, "corpus": type("C", (), {"bin": "b"})()})()).teacher()
     assert "sat-teacher-r1" in fake.started_from
+
+
+class _FakeDistill:
+    """claims_sat's train_job / eval_job / kd_job and the scheduler's worker replaced: self-distillation round d's
+    valid BLEU (beam 4) is ``bleu[d]``; records each training's start, data and deps."""
+
+    def __init__(self, bleu):
+        self.bleu, self.trained = bleu, {}
+
+    def train_job(self, name, S, bin_dir, argv, deps, settings, threads=1, what=""):
+        def run(job, S):
+            self.trained[name] = (argv[argv.index("--sat-init-from") + 1], os.path.basename(bin_dir), deps)
+            return {"checkpoint": f"/ck/{name}.pt", "updates": 8000}
+        return Job(name, run, {"argv": argv, "bin": os.path.basename(bin_dir), **settings}, deps)
+
+    def eval_job(self, name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, threads=1):
+        d = int(name.split("-d")[1].split("-")[0]) if name.startswith("sat-teacher-d") else 0
+        return Job(name, lambda job, S: {"bleu_valid_beam4": self.bleu.get(d), "ckpt": ckpt_of(S)}, {}, deps)
+
+    @staticmethod
+    def kd_job(sat, stage, teacher_of, deps):
+        name, _ = sat.kd_names(stage)
+        return Job(name, lambda job, S: {"teacher": teacher_of(S)}, {}, ["data", *deps])
+
+
+def _distilling(tmp_path, monkeypatch, bleu, rounds):
+    fake = _FakeDistill(bleu)
+    monkeypatch.setattr(claims_sat, "train_job", fake.train_job)
+    monkeypatch.setattr(claims_sat, "eval_job", fake.eval_job)
+    monkeypatch.setattr(claims_sat.SAT, "kd_job", fake.kd_job)
+    args, _ = claims.parse_args(["--paper", "sat", "--workdir", str(tmp_path), "--sat-teacher-distill-rounds",
+                                 str(rounds)])
+    S = Scheduler(str(tmp_path), say=lambda m: None)
+    S.worker = lambda fn, kw, log, threads=1: {"checkpoint": kw["output"], "fn": fn}
+    S.add(Job("data", lambda job, S: {}, {}))
+    S.add(Job("sat-teacher-r1", lambda job, S: {"checkpoint": "/ck/r1.pt"}, {}))
+    S.run_all()
+    sat = claims_sat.SAT(type("Ctx", (), {"S": S, "args": args, "corpus": type("C", (), {"bin": "b"})()})())
+    return fake, S, sat, sat.distill("sat-teacher-r1", 26.0)
+
+
+def test_sat_self_distillation_makes_the_teacher_until_its_k1_student_no_longer_beats_it(tmp_path, monkeypatch):
+    fake, S, sat, got = _distilling(tmp_path, monkeypatch, {1: 27.0, 2: 27.2, 3: 30.0}, rounds=3)
+    teacher, stage, scores, still = got
+    assert (teacher, stage, scores, still) == ("sat-teacher-d1-transformer", 1, [(1, 27.0), (2, 27.2)], False)
+    d1_as_transformer = S.result(teacher)["checkpoint"]
+    assert d1_as_transformer == str(tmp_path / "checkpoints" / "sat-teacher-d1" / "checkpoint_transformer.pt")
+    # round 1 from the real-target teacher on its translations; round 2 from round 1 (as a transformer) on round 1's
+    assert fake.trained["sat-teacher-d1"] == ("/ck/r1.pt", "bin-de-en-kd-beam4", ["sat-kd-beam4", "sat-teacher-r1"])
+    assert fake.trained["sat-teacher-d2"] == (d1_as_transformer, "bin-de-en-kd-beam4-d1",
+                                              ["sat-kd-beam4-d1", "sat-teacher-d1-transformer"])
+    assert "sat-teacher-d3" not in S.jobs and S.result("sat-kd-beam4-d1")["teacher"] == d1_as_transformer
+    assert sat.bin_of("kd") == (str(tmp_path / "bin-de-en-kd-beam4-d1"), "sat-kd-beam4-d1")
+    # the students start from round 1; the K=1 distilled one at round 2's settings is round 2 itself, not retrained
+    sat.teacher_path, sat.teacher_deps = d1_as_transformer, [teacher]
+    students = sat.students({"kd": ("decoder", 0.004), "real": ("decoder", 0.002)})
+    S.run_all([f"{n}" for n in students])
+    assert sorted(fake.trained) == ["sat-k1-real", "sat-k2-kd", "sat-k2-real", "sat-k4-kd", "sat-k4-real",
+                                    "sat-k6-kd", "sat-k6-real", "sat-teacher-d1", "sat-teacher-d2"]
+    assert S.result("sat-k1-kd")["checkpoint"] == "/ck/sat-teacher-d2.pt"
+    assert S.result("sat-k1-kd")["same_as"] == "sat-teacher-d2"
+    assert fake.trained["sat-k2-kd"] == (d1_as_transformer, "bin-de-en-kd-beam4-d1",
+                                         ["sat-kd-beam4-d1", "sat-teacher-d1-transformer"])
+    # another learning rate for the distilled recipe: the K=1 student is its own training
+    fake, S, sat, _ = _distilling(tmp_path / "lr", monkeypatch, {1: 27.0, 2: 27.2}, rounds=3)
+    sat.teacher_path, sat.teacher_deps = S.result("sat-teacher-d1-transformer")["checkpoint"], [
+        "sat-teacher-d1-transformer"]
+    S.run_all(sat.students({"kd": ("decoder", 0.002), "real": ("decoder", 0.002)}))
+    assert "sat-k1-kd" in fake.trained
+
+
+@pytest.mark.parametrize("bleu, rounds, want", [
+    ({1: 26.1}, 3, (None, 0, [(1, 26.1)], False)),  # round 1 gains 0.1: the real-target teacher stays
+    ({1: 27.0, 2: 28.0}, 2, ("sat-teacher-d2-transformer", 2, [(1, 27.0), (2, 28.0)], True)),  # rounds ran out
+    ({}, 0, (None, 0, [], False)),  # --sat-teacher-distill-rounds 0
+])
+def test_sat_self_distillation_rounds_stop_or_run_out(tmp_path, monkeypatch, bleu, rounds, want):
+    fake, S, sat, (teacher, stage, scores, still) = _distilling(tmp_path, monkeypatch, bleu, rounds)
+    want_teacher = want[0] or "sat-teacher-r1"
+    assert (teacher, stage, scores, still) == (want_teacher, *want[1:])
+    assert sat.kd_name == (f"sat-kd-beam4-d{stage}" if stage else "sat-kd-beam4")
+    assert (sat.k1_round is None) == (still or not rounds)
+
+
+def test_a_training_whose_settings_changed_does_not_resume_the_old_checkpoints(tmp_path):
+    """common.train_job: fairseq resumes checkpoint_last.pt of its save dir, so a job re-run with new settings (a new
+    teacher, a new lr) must not find the checkpoints of the old ones; a run of the same settings that was cut
+    resumes."""
+    from benchmarks.claims import common
+
+    class S(Scheduler):
+        def fairseq(self, tool, argv, log, threads=1):
+            ck = argv[argv.index("--save-dir") + 1]
+            self.found = sorted(f for f in os.listdir(ck) if f.endswith(".pt"))
+            with open(os.path.join(ck, "checkpoint_last.pt"), "w") as f:
+                f.write(" ".join(argv))
+            with open(log, "a") as f:
+                f.write("2026-01-01 00:00:00 | INFO | train_inner | "
+                        + json.dumps({"num_updates": "10", "loss": "5", "wps": "100"}) + "\n")
+            return 1.0
+
+        def worker(self, fn, kwargs, log, threads=1):
+            return {"averaged": ["checkpoint_last.pt"]}
+
+    def run(lr, cut=False):
+        sched = S(str(tmp_path), say=lambda m: None)
+        sched.add(common.train_job("t", sched, "bin", ["--lr", lr], [], {}))
+        if cut:  # a run cut before its result: only the directory and the log are there
+            os.remove(sched.result_path("t"))
+        sched.run_all()
+        return sched
+
+    assert run("0.1").found == []
+    assert run("0.1", cut=True).found == ["checkpoint_last.pt"]  # the same settings: resumed
+    sched = run("0.2")
+    assert sched.found == [] and len(common.json_records(sched.log("t", "train.log"), "train_inner")) == 1
+    assert run("0.2", cut=True).found == ["checkpoint_last.pt"]
 
 
 def test_msc_verdict_follows_the_issue_targets():
