@@ -20,6 +20,7 @@ distilled students early), evaluated on the average of its last 3 checkpoints. T
 recipe by valid BLEU (beam 4), read on the test set; both are reported.
 """
 
+import argparse
 import os
 
 from . import report as R
@@ -57,6 +58,9 @@ def options(p):
                    help="then at most this many rounds of self-distillation (default 3; 0: none): a K = 1 student "
                         "on the teacher's beam-4 translations, from it, at --sat-teacher-lr for --sat-max-update "
                         "updates, which becomes the teacher while it gains --sat-teacher-gain")
+    g.add_argument("--sat-release", metavar="DIR",
+                   help="after the report, pack each K > 1's student of the better valid BLEU into the release "
+                        "directory DIR as sat_transformer_kK.pt (e.g. releases/bible-de-en), replacing the one there")
     g.add_argument("--sat-teacher-gain", type=float, default=0.3,
                    help="a round gains when its valid BLEU (beam 4) beats the previous one's by this much "
                         "(default 0.3)")
@@ -580,4 +584,42 @@ def report(ctx, outcome):
               "speed_ms": {f"{lab} beam {b}": ms for (lab, b), ms in speed.items()},
               "chosen": outcome["chosen"], "pilots_valid_greedy": outcome["pilots"],
               "command": R.command(a, "sat"), **prov}
-    return R.write(a.docs_dir, "sat", md, record, [os.path.join(S.W, "sat_position_ce.png")])
+    written = R.write(a.docs_dir, "sat", md, record, [os.path.join(S.W, "sat_position_ce.png")])
+    if getattr(a, "sat_release", None):
+        for K in (K for K in ks if K > 1):
+            release(ctx, K, f"sat-k{K}-{better[K]}", ev, tr, outcome)
+    return written
+
+
+def release(ctx, K, name, ev, tr, outcome):
+    """Packs the student ``name`` (K > 1) into --sat-release as ``sat_transformer_k{K}.pt`` with its manifest entry:
+    how it was trained (the command and the step), its valid / test BLEU (beam 4) and what it cost."""
+    from fairseq_ext.checkpoints.release import pack
+
+    a, S = ctx.args, ctx.S
+    recipe = "the real targets" if name.endswith("-real") else "the teacher's beam-4 translations"
+    other = name.rsplit("-", 1)[0] + ("-kd" if name.endswith("-real") else "-real")
+    t, e = tr[name], ev[name]
+    run_command = R.command(argparse.Namespace(**{**vars(a), "sat_release": None}), "sat")  # how it was trained
+    meta = {"arch": "sat_transformer", "name": f"sat_transformer_k{K}", "corpus": "bible", "direction": "de-en",
+            "command": f"{run_command} (its student {name}: K={K} on {recipe}, every weight initialised "
+                       f"from the claims run's teacher ({_teacher_label(outcome)}), {t['updates']} updates; chosen "
+                       f"over {other}, {ev[other]['bleu_valid_beam4']:.2f} valid, on valid BLEU (beam 4))",
+            "code_commit": f"{S.result(name).get('code_commit', 'unknown')} (the SAT claims run)",
+            "updates_trained": t["updates"], "threads": S.result(name).get("threads", 1),
+            "wall_seconds": round(60 * (t.get("train_minutes") or t["minutes"])),
+            "cpu_seconds": round(60 * t["cpu_minutes"]) if t.get("cpu_minutes") is not None else None,
+            "valid_bleu": round(e["bleu_valid_beam4"], 2), "valid_signature": e["bleu_valid_beam4_signature"],
+            "test_bleu": round(e["bleu_test_beam4"], 2), "test_signature": e["bleu_test_beam4_signature"],
+            "machine": f"{os.cpu_count()} CPU cores",
+            "summary": f"sat_transformer K={K} trained {t['updates']} updates on {recipe} from the SAT claims run's "
+                       f"teacher by the SAT claims run; valid BLEU {e['bleu_valid_beam4']:.2f} (beam 4)"}
+    out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,
+                  os.path.join(ctx.corpus.bin, "dict.de.txt"), os.path.join(RELEASE_DE_EN, "spm.model"), meta)
+    ctx.say(f"sat: {name} packed as {out} (test BLEU {e['bleu_test_beam4']:.2f}, beam 4)")
+
+
+def _teacher_label(outcome):
+    r, d = _teacher_round(outcome), _teacher_stage(outcome)
+    return (f"the release transformer + {r} round{'s' * (r != 1)} on the real targets"
+            + (f" + {d} of self-distillation" if d else ""))

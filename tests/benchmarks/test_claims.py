@@ -90,10 +90,10 @@ def _bleu(v):
 
 
 def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), (1, 26.0), (2, 26.1)),
-                still_gaining=False, edit=None, outcome_extra=None):
+                still_gaining=False, edit=None, outcome_extra=None, flags=()):
     """The SAT report from fabricated results: K -> test/valid BLEU of the distilled and the real-target student."""
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
-                                 "--workdir", str(tmp_path / "w")])
+                                 "--workdir", str(tmp_path / "w"), *flags])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
     students = [f"sat-k{K}-{r}" for K in kd for r in ("kd", "real")]
     curve = [(500, 5.0), (1000, 4.5), (4000, 4.2), (8000, 4.19 if flat else 4.0)]
@@ -116,7 +116,8 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
     png.write_bytes(b"\x89PNG")
     if edit:
         edit(S)
-    ctx = type("Ctx", (), {"S": S, "args": args})()
+    ctx = type("Ctx", (), {"S": S, "args": args, "say": lambda self, m: None,
+                           "corpus": type("C", (), {"bin": str(tmp_path / "w" / "bin")})})()
     outcome = {"students": students, "chosen": {"kd": {"init": "decoder", "lr": 0.001},
                                                 "real": {"init": "paper", "lr": 0.002}},
                "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
@@ -242,6 +243,39 @@ def test_sat_report_names_the_self_distillation_rounds_that_made_the_teacher(tmp
                           outcome_extra=extra)
     assert "a longer teacher (--sat-teacher-distill-rounds) would change" in rec["reason"]
     assert "(the last round allowed, --sat-teacher-distill-rounds 3, still gained)" in md
+
+
+def test_sat_release_packs_each_k_students_of_the_better_valid_bleu(tmp_path):
+    """--sat-release: each K > 1's student of the better valid BLEU replaces sat_transformer_kK.pt of the release
+    directory, its manifest entry saying which student, how trained and scored; K = 1 and the others stay."""
+    import shutil
+
+    from fairseq_ext.checkpoints.release import read_manifest, verify
+
+    src = os.path.join(claims_sat.RELEASE_DE_EN)
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    for f in ("MANIFEST.json", "dict.txt", "spm.model", "sat_transformer_k4.pt", "sat_transformer_k6.pt"):
+        shutil.copyfile(os.path.join(src, f), rel / f)
+    (tmp_path / "w" / "bin").mkdir(parents=True)
+    shutil.copyfile(os.path.join(src, "dict.txt"), tmp_path / "w" / "bin" / "dict.de.txt")
+    student = os.path.join(src, "sat_transformer_k2.pt")  # a K=2 student to pack
+    before = read_manifest(str(rel))["models"]
+
+    def edit(S):
+        for n in ("sat-k2-kd", "sat-k2-real"):
+            S.results[n]["checkpoint"] = student
+            S.results[n]["cpu_minutes"] = 12.0
+
+    rec, _ = _sat_report(tmp_path, kd={1: 20.0, 2: 19.0}, real={1: 19.0, 2: 19.5}, edit=edit,
+                         flags=["--sat-release", str(rel)])
+    models = read_manifest(str(rel))["models"]
+    k2 = models["sat_transformer_k2"]
+    assert verify(str(rel), "sat_transformer_k2") == str(rel / "sat_transformer_k2.pt")
+    assert k2["test_bleu"] == 19.5 and k2["valid_bleu"] == 19.5 and k2["updates_trained"] == 8000
+    assert "its student sat-k2-real: K=2 on the real targets" in k2["command"] and "over sat-k2-kd, 19.00" in \
+        k2["command"] and k2["cpu_seconds"] == 720 and str(tmp_path) not in json.dumps(k2)
+    assert models["sat_transformer_k4"] == before["sat_transformer_k4"] and "sat_transformer_k1" not in models
 
 
 class _FakeRounds:
