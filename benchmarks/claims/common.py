@@ -257,15 +257,15 @@ def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
 
 def _fresh_if_changed(settings_hash, ck, logs):
     """A training directory keeps the hash of the settings its checkpoints were trained with (``.settings``); when
-    they changed, its checkpoints and logs are removed so that fairseq does not resume another training (a directory
-    without the file, from before it was kept, is resumed as it is)."""
+    they changed, or a directory has checkpoints and no such file (nothing says which settings made them), its
+    checkpoints and logs are removed so that fairseq does not resume another training."""
     stamp = os.path.join(ck, ".settings")
     try:
         with open(stamp, encoding="utf-8") as f:
             old = f.read().strip()
     except FileNotFoundError:
         old = None
-    if old is not None and old != settings_hash:
+    if old != settings_hash:
         for f in os.listdir(ck):
             if f.endswith(".pt"):
                 os.remove(os.path.join(ck, f))

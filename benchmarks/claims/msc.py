@@ -8,18 +8,20 @@ Here: encoders of 6 and 12 layers (``--msc-depths``, 24 where it fits; 3 decoder
 ``--dim`` (128), for three encoders at each depth: fairseq's post-norm transformer, its pre-norm transformer (the
 paper's baseline: layer norm at each sublayer's input) and MSC. Tuned alike: each encoder's learning rate and
 warm-up chosen by the same pilots at the deepest depth on valid greedy BLEU (a post-norm transformer needs a longer
-warm-up to train at all). Then the same batch size (tokens), dropout and fixed number of updates for every model
-(long enough that the curves flatten: the report checks it), evaluated on the average of its last 3 checkpoints on
-the valid set (the learning curves), the test set (once), and 1,000 training pairs drawn with a fixed seed (the
-paper's Figure 2 measures on 3,000 training pairs of converged models: ``python -m fairseq_ext.msc.degradation
---checkpoints`` does that scoring and draws the figure).
+warm-up to train at all), then, while an encoder's best pilot is at an edge of the rates it tried, one more x2
+beyond that edge (at most :data:`EXTEND`; the same rule as the other papers' pilots). Then the same batch size
+(tokens), dropout and fixed number of updates for every model (long enough that the curves flatten: the report
+checks it), evaluated on the average of its last 3 checkpoints on the valid set (the learning curves), the test
+set (once), and 1,000 training pairs drawn with a fixed seed (the paper's Figure 2 measures on 3,000 training pairs
+of converged models: ``python -m fairseq_ext.msc.degradation --checkpoints`` does that scoring and draws the
+figure).
 """
 
 import os
 
 from . import report as R
-from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, size_args, still_falling,
-                     train_job, trained)
+from .common import (adam_args, curve_cell, eval_job, fixed_budget_args, flattened, lr_pilots, size_args,
+                     still_falling, train_job, trained)
 from .jobs import Job, read_json
 from .report import pyplot, save_figure
 
@@ -29,6 +31,12 @@ PAPER = {"plain_6": 32.73, "msc_6": 33.10, "msc_36": 34.86, "msc_54": 35.16, "ms
 BLOCKS = 3
 VARIANTS = ("post", "pre", "msc")
 PILOTS = ((0.0005, 4000), (0.001, 4000), (0.0015, 500), (0.003, 500))  # (peak lr, warm-up updates), every encoder
+EXTEND = 2  # at most this many pilots past an edge of the rates, per encoder
+
+
+def warmup_of(lr):
+    """The warm-up of a pilot at ``lr``: the grid's, and past its edges the one at that edge."""
+    return dict(PILOTS).get(lr, 4000 if lr < PILOTS[0][0] else 500)
 
 
 def options(p):
@@ -64,26 +72,25 @@ class MSC:
         norm = ["--encoder-normalize-before", "--decoder-normalize-before"] if variant == "pre" else []
         return ["--arch", "transformer", *size_args(a.dim, enc_layers=depth, dec_layers=BLOCKS), *norm, *opt, *common]
 
+    def pilot(self, variant, lr):
+        """A pilot of ``variant`` at the deepest depth at ``lr`` (its warm-up: :func:`warmup_of`); returns its
+        evaluation's job name."""
+        S, deep, warmup = self.S, max(self.depths), warmup_of(lr)
+        name = f"msc-pilot-{variant}{deep}-lr{lr}-w{warmup}"
+        if name not in S.jobs:
+            S.add(train_job(name, S, self.corpus.bin, self.argv(variant, deep, lr, warmup, self.a.msc_pilot_updates),
+                            ["data"], {}, what=f"pilot {variant} {deep} layers, lr {lr}, warm-up {warmup}"))
+            S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
+                           [("valid", 1)], [name]))
+        return f"{name}-eval"
+
     def pilots(self):
-        """The same (lr, warm-up) grid for every encoder, at the deepest depth; valid greedy BLEU chooses."""
-        S, deep = self.S, max(self.depths)
-        names = []
-        for variant in VARIANTS:
-            for lr, warmup in PILOTS:
-                name = f"msc-pilot-{variant}{deep}-lr{lr}-w{warmup}"
-                S.add(train_job(name, S, self.corpus.bin, self.argv(variant, deep, lr, warmup,
-                                                                    self.a.msc_pilot_updates), ["data"], {},
-                                what=f"pilot {variant} {deep} layers, lr {lr}, warm-up {warmup}"))
-                S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
-                               [("valid", 1)], [name]))
-                names.append(name)
-        S.run_all([f"{n}-eval" for n in names])
-        scored = {n: S.result(f"{n}-eval")["bleu_valid_greedy"] for n in names}
-        chosen = {}
-        for variant in VARIANTS:
-            best = max((b, n) for n, b in scored.items() if n.startswith(f"msc-pilot-{variant}{deep}-"))[1]
-            lr, warmup = best.rsplit("-lr", 1)[1].split("-w")
-            chosen[variant] = (float(lr), int(warmup))
+        """The same (lr, warm-up) grid for every encoder, at the deepest depth, past its edges by
+        :func:`common.lr_pilots`'s rule; valid greedy BLEU chooses."""
+        deep = max(self.depths)
+        best_lr, by = lr_pilots(self.S, {v: [lr for lr, _ in PILOTS] for v in VARIANTS}, EXTEND, self.pilot)
+        chosen = {v: (lr, warmup_of(lr)) for v, lr in best_lr.items()}
+        scored = {f"msc-pilot-{v}{deep}-lr{lr}-w{warmup_of(lr)}": b for (v, lr), b in sorted(by.items())}
         self.ctx.say("msc: pilots on valid (greedy BLEU): " + ", ".join(f"{n[10:]} {b:.2f}" for n, b in
                                                                       scored.items())
                      + " -> " + ", ".join(f"{v} lr {lr} warm-up {w}" for v, (lr, w) in chosen.items()))
@@ -220,7 +227,9 @@ pre-norm one (`--encoder-normalize-before --decoder-normalize-before`) and `msc_
 (0.9, 0.98), inverse_sqrt, dropout {a.msc_dropout}, label smoothing 0.1, 1,024 tokens a batch, {a.msc_updates}
 updates (no early stopping), the last 3 interval checkpoints (every 500 updates) averaged, one thread each. Each
 encoder's learning rate and warm-up chosen by the same {len(PILOTS)} pilots of {a.msc_pilot_updates} updates at
-{max(depths)} layers on valid greedy BLEU: {chosen}. Train BLEU: {a.msc_train_sample} training pairs drawn with a
+{max(depths)} layers on valid greedy BLEU, then, while an encoder's best pilot is at an edge of the rates it tried,
+one more x2 beyond that edge (at most {EXTEND}; warm-up {PILOTS[-1][1]} above the grid, {PILOTS[0][1]} below):
+{chosen}. Train BLEU: {a.msc_train_sample} training pairs drawn with a
 fixed seed, beam 4 (the paper's Figure 2, `python -m fairseq_ext.msc.degradation --checkpoints`). {prov_line}
 
 {R.table(["encoder", "layers", "valid BLEU (beam 4)", "test BLEU (beam 4)", "train BLEU", "best valid loss",

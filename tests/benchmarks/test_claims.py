@@ -443,6 +443,8 @@ def test_a_training_whose_settings_changed_does_not_resume_the_old_checkpoints(t
     sched = run("0.2")
     assert sched.found == [] and len(common.json_records(sched.log("t", "train.log"), "train_inner")) == 1
     assert run("0.2", cut=True).found == ["checkpoint_last.pt"]
+    os.remove(os.path.join(str(tmp_path), "checkpoints", "t", ".settings"))  # checkpoints nothing says the settings of
+    assert run("0.2", cut=True).found == []
 
 
 def test_msc_verdict_follows_the_issue_targets():
@@ -668,6 +670,41 @@ def test_sat_pilots_pick_init_and_lr_per_recipe_past_grid_edges():
     sat.a.sat_pilot_inits = "decoder"  # the default: one initialisation, three pilots a recipe unless extended
     chosen, scored = sat.pilots()
     assert chosen == {"kd": ("decoder", 0.008), "real": ("decoder", 0.002)} and len(scored) == 5 + 3
+
+
+def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup():
+    """Every encoder gets the grid's four (lr, warm-up) pilots; one whose best is the highest rate gets pilots at x2
+    (warm-up 500) while that stays best, at most two; a best inside the grid ends its pilots."""
+    import argparse
+
+    best = {"post": 0.012, "pre": 0.0015, "msc": 0.006}  # post: past twice; pre: inside; msc: past once
+
+    class S:
+        results, jobs = {}, {}
+
+        @classmethod
+        def run_all(cls, names):
+            for n in names:
+                variant, lr = n[len("msc-pilot-"):].split("-lr")
+                v, lr = variant.rstrip("0123456789"), float(lr.split("-w")[0])
+                cls.results[n] = {"bleu_valid_greedy": 20.0 - abs(lr - best[v]) * 1000}
+
+        @classmethod
+        def result(cls, n):
+            return cls.results[n]
+
+    msc = object.__new__(claims_msc.MSC)
+    msc.S, msc.depths = S, [6, 12]
+    msc.a = argparse.Namespace(msc_pilot_updates=2000)
+    msc.ctx = type("Ctx", (), {"say": lambda self, m: None})()
+    msc.pilot = lambda v, lr: f"msc-pilot-{v}12-lr{lr}-w{claims_msc.warmup_of(lr)}-eval"
+    chosen, scored = msc.pilots()
+    assert chosen == {"post": (0.012, 500), "pre": (0.0015, 500), "msc": (0.006, 500)}
+    tried = {v: sorted(float(n.split("-lr")[1].split("-w")[0]) for n in scored if n.startswith(f"msc-pilot-{v}12"))
+             for v in best}
+    assert tried == {"post": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012], "pre": [0.0005, 0.001, 0.0015, 0.003],
+                     "msc": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012]}
+    assert "msc-pilot-pre12-lr0.0005-w4000" in scored and claims_msc.warmup_of(0.00025) == 4000
 
 
 def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
