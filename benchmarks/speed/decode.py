@@ -55,9 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--no-int8", action="store_true", help="leave out the int8 contender")
     p.add_argument("--quick", action="store_true", help="batch 1 only, greedy and beam 4 (the tests)")
     p.add_argument("--capture", action="store_true",
-                   help="instead: the static step's decoder call captured five ways (eager, torch.jit.trace, "
-                        "AOTInductor with and without its GEMM template, torch.compile) and each weight layout, us "
-                        "per call at 1 and 4 rows")
+                   help="instead: the static step's decoder call captured each way (eager, torch.jit.trace, "
+                        "AOTInductor with and without its GEMM template, with the attention fused or as batched "
+                        "products, torch.compile) and each weight layout, us per call at 1, 4, 16 and 64 rows")
     p.add_argument("--no-compile", action="store_true", help="with --capture: leave torch.compile out")
     p.add_argument("--json", help="write the table and the details here")
     p.add_argument("--seed", type=int, default=1)
@@ -286,11 +286,13 @@ def capture_part(args, data):
     t0 = time.perf_counter()
     ways["torch.jit.trace"] = (ss.Step(ss.capture(module, model.decoder), output), time.perf_counter() - t0)
     example = ss.example_inputs(module, model.decoder, N=6, B=3, S=7, T=96)
-    # the last is the package's: explicit attention, inductor's GEMM template where it times faster
-    for name, explicit, gemm in (("AOTI fused attn", False, True), ("AOTI ATen products", True, False),
-                                 ("AOTInductor", True, True)):
+    # the last is the package's: explicit attention with its products as sums, inductor's GEMM template where it
+    # times faster
+    for name, explicit, sums, gemm in (("AOTI fused attn", False, False, True),
+                                       ("AOTI ATen products", True, True, False),
+                                       ("AOTI batched attn", True, False, True), ("AOTInductor", True, True, True)):
         t0 = time.perf_counter()
-        compiled = aot_step.start(ss.aot_module(module, explicit), example, gemm_template=gemm)
+        compiled = aot_step.start(ss.aot_module(module, explicit, sums), example, gemm_template=gemm)
         if isinstance(compiled, aot_step.Pending):
             compiled = compiled.wait()
         if compiled is None:

@@ -118,14 +118,14 @@ class JointStepGraph(StepGraph):
                 S = mk.size(2)
                 # Attn_joint: one softmax over [memory keys; prefix keys]; the memory is kept once per source, its
                 # P rows query it as one block of P * K queries
-                s_mem = torch.matmul(q.reshape(B, P * K, H, d).transpose(1, 2), mk.transpose(-1, -2)) + mb
+                s_mem = self._scores(q.reshape(B, P * K, H, d).transpose(1, 2), mk) + mb
                 s_mem = s_mem.reshape(B, H, P, K, S).transpose(1, 2).reshape(N, H, K, S)
-                s_self = torch.matmul(q.reshape(N, K, H, d).transpose(1, 2), k_cache[c].transpose(-1, -2))
+                s_self = self._scores(q.reshape(N, K, H, d).transpose(1, 2), k_cache[c])
                 w = torch.softmax(torch.cat([s_mem, s_self + self_bias], dim=-1), dim=-1)  # [N, H, K, S + T]
                 w_mem = w[..., :S]
-                o_mem = torch.matmul(w_mem.reshape(B, P, H, K, S).transpose(1, 2).reshape(B, H, P * K, S), mv)
-                o = o_mem.reshape(B, H, P, K, d).transpose(1, 2).reshape(N, H, K, d) + torch.matmul(w[..., S:],
-                                                                                                  v_cache[c])
+                o_mem = self._mix(w_mem.reshape(B, P, H, K, S).transpose(1, 2).reshape(B, H, P * K, S), mv)
+                o = o_mem.reshape(B, H, P, K, d).transpose(1, 2).reshape(N, H, K, d) + self._mix(w[..., S:],
+                                                                                                 v_cache[c])
                 out = out + 0.5 * linear(o.transpose(1, 2).reshape(N * K, C), br["o"])  # Eq. 10's 1/2
                 if i == last and j == 0:  # the alignment: weights on E^L of the last layer, mean of the heads
                     attn = w_mem.mean(dim=1)

@@ -31,13 +31,10 @@ Capture: ``torch.jit.trace`` at once (tens of milliseconds), then, where a C++ c
 exported by ``torch.export`` and compiled by AOTInductor in a background process, cached on disk: every search that
 starts once the package is written runs its calls of up to :data:`AOT_MAX_POSITIONS` new positions (rows x K) on
 it, in this process and in every later run (:mod:`fairseq_ext.inference.aot_step`; ``FAIRSEQ_EXT_STEP_CAPTURE=trace``
-keeps the trace). The compiled module computes attention in explicit operations, which inductor fuses, where the
-trace calls PyTorch's fused attention kernel (:meth:`StepGraph._attend`). Larger calls stay traced: there the
-compiled graph was slower per call. ``python -m benchmarks.speed.decode --capture`` times the ways PyTorch offers on
-the release transformer at 1, 4, 16 and 64 rows: the module eagerly, traced, AOTInductor with either attention and
-``torch.compile`` (inductor, dynamic shapes; its guards run in Python at every call). PyTorch 2.13 marks TorchScript
-deprecated: where ``torch.jit.trace`` is gone or fails, the same module runs eagerly (one log line; the same
-numbers, slower).
+keeps the trace); larger calls stay traced, where the compiled graph was slower. The compiled module computes
+attention in explicit operations, its products as sums, which inductor fuses (:meth:`StepGraph._attend`).
+``python -m benchmarks.speed.decode --capture`` times each way at 1, 4, 16 and 64 rows. Where ``torch.jit.trace`` is
+gone or fails (PyTorch 2.13 marks TorchScript deprecated), the same module runs eagerly (one log line).
 
 Numbers: the same float32 products as fairseq's layers in another order (differences ~1e-6), so a search on it
 returns fairseq's hypotheses except at near-ties; ``tests/inference/test_static_step.py`` checks incremental ==
@@ -223,6 +220,7 @@ class StepGraph(torch.nn.Module):
     layer computation names a subclass that overrides them (:func:`graph_class`)."""
 
     explicit_attention = False  # True in the module AOTInductor compiles (:meth:`_attend`)
+    attention_sums = False  # there, the attention's products as sums (:meth:`_scores`)
 
     @classmethod
     def refusal(cls, decoder) -> Optional[str]:
@@ -388,8 +386,8 @@ class StepGraph(torch.nn.Module):
             h = self._ln(x, p["ln2"]) if p["nb"] else x
             q = linear(h, p["cq"]).reshape(B, P * K, H, d).transpose(1, 2)  # [B, H, P*K, d]
             if i == last:  # the alignment layer: its weights too (softmax in float, as fairseq)
-                w = torch.softmax(torch.matmul(q * p["c_scale"], src_k[i].transpose(-1, -2)) + src_bias, dim=-1)
-                a = torch.matmul(w, src_v[i])
+                w = torch.softmax(self._scores(q * p["c_scale"], src_k[i]) + src_bias, dim=-1)
+                a = self._mix(w, src_v[i])
                 attn = w.mean(dim=1).reshape(N, K, -1)
             else:
                 a = self._attend(q, src_k[i], src_v[i], src_bias, p["c_scale"])
@@ -409,11 +407,19 @@ class StepGraph(torch.nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
         """softmax(q k^T * scale + bias) v: PyTorch's fused attention where the graph is traced; its three
         operations where AOTInductor compiles it (``explicit_attention``), which fuses the scaling, bias and softmax
-        into one loop around two batched products, where the fused kernel's setup costs more than the arithmetic
-        of a few rows (``python -m benchmarks.speed.decode --capture`` times both)."""
+        into one loop, where the fused kernel's setup costs more than the arithmetic of a few rows (``python -m
+        benchmarks.speed.decode --capture`` times both)."""
         if not self.explicit_attention:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        return torch.matmul(torch.softmax(torch.matmul(q * scale, k.transpose(-1, -2)) + bias, dim=-1), v)
+        return self._mix(torch.softmax(self._scores(q * scale, k) + bias, dim=-1), v)
+
+    def _scores(self, q: Tensor, k: Tensor) -> Tensor:
+        """q k^T: a batched product, or products and a sum (``attention_sums``: inductor fuses them into loops; a
+        batched product's setup costs more than a few queries' arithmetic; ``benchmarks.speed.decode --capture``)."""
+        return (q.unsqueeze(-2) * k.unsqueeze(-3)).sum(-1) if self.attention_sums else q @ k.transpose(-1, -2)
+
+    def _mix(self, w: Tensor, v: Tensor) -> Tensor:  # w v, as _scores
+        return (w.unsqueeze(-1) * v.unsqueeze(-3)).sum(-2) if self.attention_sums else w @ v
 
     def _ffn(self, x: Tensor, p) -> Tensor:
         """A layer's feed-forward block with its residual and layer norm (``fc1``, ``fc2``, ``ln3`` of ``p``)."""
@@ -447,11 +453,11 @@ def step_graph(decoder) -> "Step":
     return step
 
 
-def aot_module(module: StepGraph, explicit_attention: bool = True) -> StepGraph:
+def aot_module(module: StepGraph, explicit_attention: bool = True, attention_sums: bool = True) -> StepGraph:
     """The module AOTInductor compiles: ``module``'s weights, its attention in explicit operations
-    (:meth:`StepGraph._attend`)."""
+    (:meth:`StepGraph._attend`), its two products as sums (:meth:`StepGraph._scores`) or batched products."""
     compiled = copy.copy(module)
-    compiled.explicit_attention = explicit_attention
+    compiled.explicit_attention, compiled.attention_sums = explicit_attention, attention_sums
     return compiled
 
 
@@ -544,8 +550,7 @@ def compile_example(module: StepGraph, decoder):
 
 
 def capture(module: StepGraph, decoder):
-    """``module`` traced by ``torch.jit.trace`` (module docstring: the capture), or ``module`` itself where
-    ``FAIRSEQ_EXT_STEP_CAPTURE=eager`` or this PyTorch cannot trace it (one log line)."""
+    """``module`` traced by ``torch.jit.trace``, or itself (``FAIRSEQ_EXT_STEP_CAPTURE=eager``, or no trace)."""
     if aot_step.mode() == "eager":
         return module
     try:
@@ -553,18 +558,16 @@ def capture(module: StepGraph, decoder):
             warnings.simplefilter("ignore")  # PyTorch 2.13 announces TorchScript's end (module docstring)
             return torch.jit.trace(module, example_inputs(module, decoder), check_trace=False)
     except Exception as e:  # a PyTorch without TorchScript: the same code, one Python call per operation
-        logger.info(f"static step: torch.jit.trace is not available ({type(e).__name__}: {e}); the step runs "
-                    f"eagerly (the same numbers, slower)")
+        logger.info(f"static step: no torch.jit.trace ({type(e).__name__}: {e}); the step runs eagerly (slower)")
         return module
 
 
 class StaticState:
     """The caches of one search: self-attention keys / values [L, N, H, capacity, d], the source keys / values
-    [L, N, H, S, d] projected once and the source padding as an additive bias [N, 1, 1, S]. The capacity grows
-    by :data:`LENGTH_BUCKET` positions as the search goes (the calls read the cache up to the bucket of their
-    last position, so every position read is one written or a zero: masked positions are read with weight 0
-    and must be finite). :meth:`reorder` follows a search's row order, copying the cached positions only, into
-    the buffer the previous reorder freed (CTranslate2's in-place reorder: no allocation per step)."""
+    [L, N, H, S, d] projected once and the source padding as an additive bias [N, 1, 1, S]. The capacity grows by
+    :data:`LENGTH_BUCKET` positions as the search goes (the calls read the cache up to the bucket of their last
+    position: masked positions are read with weight 0, zeros). :meth:`reorder` follows a search's row order, copying
+    the cached positions only, into the buffer the previous reorder freed (CTranslate2's in-place reorder)."""
 
     def __init__(self, decoder, encoder_out, rows: int):
         graph = graph_class(decoder)

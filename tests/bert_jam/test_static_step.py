@@ -56,9 +56,13 @@ def previous(d, n, length, seed=1):
     return prev
 
 
-def static_pass(model, src, lengths, prev, order=None, at=None):
+def static_pass(model, src, lengths, prev, order=None, at=None, compiled_module=False):
+    """The static step's log-probabilities and attention, call by call; ``compiled_module``: with the module
+    AOTInductor compiles (its attention as products and sums), run eagerly."""
     dec = model.decoder
     step = ss.step_graph(dec)
+    if compiled_module:
+        step = ss.Step(ss.aot_module(step.module), step.output)
     with torch.no_grad():
         state = ss.StaticState(dec, model.encoder(src, lengths), src.size(0))
         outs, atts = [], []
@@ -79,14 +83,15 @@ def full_pass(model, src, lengths, prev):
     return model.get_normalized_probs((logits, extra), log_probs=True), extra["attn"][0]
 
 
-@pytest.mark.parametrize("composition,normalize_before", [("glu", False), ("glu", True), ("last", False)])
+@pytest.mark.parametrize("composition,normalize_before,compiled_module", [
+    ("glu", False, False), ("glu", True, False), ("last", False, False), ("glu", False, True)])
 def test_joint_decoder_static_step_equals_the_full_pass_across_length_buckets(tiny_bert, composition,
-                                                                             normalize_before):
+                                                                             normalize_before, compiled_module):
     model, d = model_of(tiny_bert, composition, normalize_before)
     assert ss.graph_class(model.decoder) is JointStepGraph and ss.static_refusal(model) is None
     src, lengths = sources(d)
     prev = previous(d, 3, 2 * ss.LENGTH_BUCKET + 3)  # three buckets, the cache grown twice
-    lprobs, attn = static_pass(model, src, lengths, prev)
+    lprobs, attn = static_pass(model, src, lengths, prev, compiled_module=compiled_module)
     full, full_attn = full_pass(model, src, lengths, prev)
     assert_close(lprobs, full, atol=1e-5)
     assert_close(attn, full_attn, atol=1e-5)

@@ -174,14 +174,16 @@ def test_calls_of_few_positions_take_the_compiled_graph(compiled):
     assert step.graph_for(ss.AOT_MAX_POSITIONS + 1) is step.graph
 
 
-def test_the_compiled_modules_explicit_attention_equals_the_fused_kernel():
-    """The module AOTInductor compiles (aot_module) computes attention in three operations, the traced one calls
-    PyTorch's fused kernel: the same step (1e-5) with masked cache positions and a padded source; the decoder's own
-    module is left as it was."""
+@pytest.mark.parametrize("sums", [True, False])
+def test_the_compiled_modules_explicit_attention_equals_the_fused_kernel(sums):
+    """The module AOTInductor compiles (aot_module) computes attention in three operations, its two products as
+    sums (the default) or batched products, the traced one calls PyTorch's fused kernel: the same step (1e-5) with
+    masked cache positions and a padded source; the decoder's own module is left as it was."""
     m = transformer(seed=3)
     module = ss.StepGraph(m.decoder).eval()
-    explicit = ss.aot_module(module)
+    explicit = ss.aot_module(module) if sums else ss.aot_module(module, attention_sums=False)
     assert explicit.explicit_attention and not module.explicit_attention and explicit.layers is module.layers
+    assert explicit.attention_sums == sums and not module.attention_sums
     g = torch.Generator().manual_seed(1)
     example = [t.clone() for t in ss.example_inputs(module, m.decoder, N=6, B=3, S=7, T=ss.LENGTH_BUCKET)]
     for i in (2, 3, 4, 5):
