@@ -189,7 +189,8 @@ def test_provenance_says_what_the_steps_cost():
 
 def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_falling(tmp_path):
     rec, md = _sat_report(tmp_path, kd={1: 21.0, 2: 19.6, 4: 18.8}, real={1: 20.5, 2: 19.0, 4: 17.0}, flat=False)
-    assert "The K = 1 student reaches 105% of the teacher, above it: the teacher had not converged" in rec["reason"]
+    assert ("The K = 1 student reaches 105% of the teacher's valid BLEU (105% on test), above it: the teacher had not "
+            "converged") in rec["reason"]
     assert "Still falling in the last 20% of their updates (>= 1% valid loss): the teacher, sat-k1-kd" \
         in rec["reason"]
     assert "4.8% (still falling)" in md
