@@ -189,8 +189,8 @@ def test_provenance_says_what_the_steps_cost():
 
 def test_sat_report_flags_a_teacher_its_k1_student_beats_and_curves_still_falling(tmp_path):
     rec, md = _sat_report(tmp_path, kd={1: 21.0, 2: 19.6, 4: 18.8}, real={1: 20.5, 2: 19.0, 4: 17.0}, flat=False)
-    assert ("The K = 1 student reaches 105% of the teacher's valid BLEU (105% on test), above it: the teacher had not "
-            "converged") in rec["reason"]
+    assert ("The K = 1 student reaches 105% of the teacher's valid BLEU (105% on test), 1.00 above it (the teacher's "
+            "rounds stop below 0.3): the teacher had not converged") in rec["reason"]
     assert "Still falling in the last 20% of their updates (>= 1% valid loss): the teacher, sat-k1-kd" \
         in rec["reason"]
     assert "4.8% (still falling)" in md
@@ -239,6 +239,15 @@ def test_sat_report_names_the_self_distillation_rounds_that_made_the_teacher(tmp
     assert ("valid BLEU by round 27.00, 27.10; the teacher is self-distillation round 1 (round 2, which gained less, "
             "is its K = 1 distilled student)") in md
     assert "(99 pairs)" in md and "still gained" not in rec["reason"]
+    assert "so round 1 was trained on by rounds of self-distillation" in md
+    assert "K = 1 student reaches 100% of the teacher's valid BLEU (100% on test), so the pipeline" in rec["reason"]
+    # no round on the real targets gained: the release itself was distilled
+    args, _ = claims.parse_args(["--paper", "sat", "--workdir", str(tmp_path)])
+    line = claims_sat._teacher_line(args, {**extra, "teacher_real_rounds": None, "teacher_still_gaining": False,
+                                           "teacher_rounds": [[0, 25.0], [1, 24.0]]})
+    assert "round 1 gained less, so the starting point was trained on by rounds of self-distillation" in line
+    rows = claims_sat._bleu_rows({**extra, "teacher_real_rounds": None, "students": []}, {}, {}, _bleu(20.0), None)
+    assert rows[0][0] == "Transformer (teacher: the release + 1 self-distillation round)"
     extra.update(teacher_k1_round=None, teacher_distill_still_gaining=True)
     rec, md = _sat_report(tmp_path / "gaining", kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0}, edit=edit,
                           outcome_extra=extra)
