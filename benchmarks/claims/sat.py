@@ -26,7 +26,7 @@ import os
 from . import report as R
 from .common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, curve_cell, eval_job, fixed_budget_args,
                      lr_pilots, size_args, still_falling, train_job, trained)
-from .jobs import Job
+from .jobs import ClaimsError, Job
 
 RELEASE = os.path.join(RELEASE_DE_EN, "transformer.pt")
 PAPER = {"ratio_to_teacher": {"2": 26.90 / 27.11, "4": 25.71 / 27.11, "6": 24.83 / 27.11},
@@ -616,6 +616,9 @@ def release(ctx, K, name, ev, tr, outcome):
             "machine": f"{os.cpu_count()} CPU cores",
             "summary": f"sat_transformer K={K} trained {t['updates']} updates on {recipe} from the SAT claims run's "
                        f"teacher by the SAT claims run; valid BLEU {e['bleu_valid_beam4']:.2f} (beam 4)"}
+    if not os.path.isfile(t["checkpoint"]):
+        raise ClaimsError(f"--sat-release: {name}'s checkpoint {t['checkpoint']} is not here (its result came from "
+                          "the store): run --sat-release in the work directory that trained it")
     out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,
                   os.path.join(ctx.corpus.bin, "dict.de.txt"), os.path.join(RELEASE_DE_EN, "spm.model"), meta)
     ctx.say(f"sat: {name} packed as {out} (test BLEU {e['bleu_test_beam4']:.2f}, beam 4)")

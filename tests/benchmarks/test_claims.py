@@ -287,6 +287,15 @@ def test_sat_release_packs_each_k_students_of_the_better_valid_bleu(tmp_path):
         k2["command"] and k2["cpu_seconds"] == 720 and str(tmp_path) not in json.dumps(k2)
     assert models["sat_transformer_k4"] == before["sat_transformer_k4"] and "sat_transformer_k1" not in models
 
+    def gone(S):  # a work directory without the student's checkpoint: one line, nothing packed
+        edit(S)
+        S.results["sat-k2-real"]["checkpoint"] = str(tmp_path / "gone" / "checkpoint_avg.pt")
+
+    with pytest.raises(ClaimsError, match="--sat-release: sat-k2-real's checkpoint .* is not here"):
+        _sat_report(tmp_path / "again", kd={1: 20.0, 2: 19.0}, real={1: 19.0, 2: 19.5}, edit=gone,
+                    flags=["--sat-release", str(rel)])
+    assert read_manifest(str(rel))["models"]["sat_transformer_k2"] == k2
+
 
 class _FakeRounds:
     """claims_sat's train_job / eval_job replaced: round r's valid BLEU (beam 4) is ``bleu[r]``; records the rounds
