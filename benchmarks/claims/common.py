@@ -265,17 +265,17 @@ def _fresh_if_changed(settings_hash, ck, logs):
             old = f.read().strip()
     except FileNotFoundError:
         old = None
-    if old != settings_hash:
-        for f in os.listdir(ck):
-            if f.endswith(".pt"):
-                os.remove(os.path.join(ck, f))
-        for f in logs:
-            if os.path.exists(f):
-                os.remove(f)
-    if old != settings_hash:
-        with open(stamp + ".tmp", "w", encoding="utf-8") as f:
-            f.write(settings_hash + "\n")
-        os.replace(stamp + ".tmp", stamp)
+    if old == settings_hash:
+        return
+    for f in os.listdir(ck):
+        if f.endswith(".pt"):
+            os.remove(os.path.join(ck, f))
+    for f in logs:
+        if os.path.exists(f):
+            os.remove(f)
+    with open(stamp + ".tmp", "w", encoding="utf-8") as f:
+        f.write(settings_hash + "\n")
+    os.replace(stamp + ".tmp", stamp)
 
 
 def eval_job(name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, threads=1, src="de", tgt="en"):

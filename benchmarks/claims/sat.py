@@ -325,9 +325,8 @@ def _round_of(teacher):
 
 def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     """The BLEU table: the teacher, then every student with its updates, minutes, curve check and ratio."""
-    r, d = _teacher_round(outcome), _teacher_stage(outcome)
-    parts = [f"{r} round{'s' * (r != 1)}"] * bool(r) + [f"{d} self-distillation round{'s' * (d != 1)}"] * bool(d)
-    label = f"Transformer (teacher: the release + {' + '.join(parts)})" if parts else "Transformer (teacher, release)"
+    made = _teacher_label(outcome)
+    label = f"Transformer (teacher: {made})" if made != "the release" else "Transformer (teacher, release)"
     rows = [[label, *(R.fmt(teacher[k]) for k in KEYS), teacher_tr.get("updates", "-") if teacher_tr else "-",
              curve_cell(teacher_tr) if teacher_tr else "-", "100%", "-"]]
     for n in outcome["students"]:
@@ -602,6 +601,9 @@ def release(ctx, K, name, ev, tr, outcome):
     recipe = "the real targets" if name.endswith("-real") else "the teacher's beam-4 translations"
     other = name.rsplit("-", 1)[0] + ("-kd" if name.endswith("-real") else "-real")
     t, e = tr[name], ev[name]
+    if not os.path.isfile(t["checkpoint"]):
+        raise ClaimsError(f"--sat-release: {name}'s checkpoint {t['checkpoint']} is not here (its result came from "
+                          "the store): run --sat-release in the work directory that trained it")
     run_command = R.command(argparse.Namespace(**{**vars(a), "sat_release": None}), "sat")  # how it was trained
     meta = {"arch": "sat_transformer", "name": f"sat_transformer_k{K}", "corpus": "bible", "direction": "de-en",
             "command": f"{run_command} (its student {name}: K={K} on {recipe}, every weight initialised "
@@ -616,15 +618,13 @@ def release(ctx, K, name, ev, tr, outcome):
             "machine": f"{os.cpu_count()} CPU cores",
             "summary": f"sat_transformer K={K} trained {t['updates']} updates on {recipe} from the SAT claims run's "
                        f"teacher by the SAT claims run; valid BLEU {e['bleu_valid_beam4']:.2f} (beam 4)"}
-    if not os.path.isfile(t["checkpoint"]):
-        raise ClaimsError(f"--sat-release: {name}'s checkpoint {t['checkpoint']} is not here (its result came from "
-                          "the store): run --sat-release in the work directory that trained it")
     out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,
                   os.path.join(ctx.corpus.bin, "dict.de.txt"), os.path.join(RELEASE_DE_EN, "spm.model"), meta)
     ctx.say(f"sat: {name} packed as {out} (test BLEU {e['bleu_test_beam4']:.2f}, beam 4)")
 
 
 def _teacher_label(outcome):
+    """What made the teacher: "the release", then its rounds on the real targets and of self-distillation."""
     r, d = _teacher_round(outcome), _teacher_stage(outcome)
-    return (f"the release transformer + {r} round{'s' * (r != 1)} on the real targets"
-            + (f" + {d} of self-distillation" if d else ""))
+    parts = [f"{r} round{'s' * (r != 1)}"] * bool(r) + [f"{d} self-distillation round{'s' * (d != 1)}"] * bool(d)
+    return " + ".join(["the release", *parts])
