@@ -30,21 +30,23 @@ from .report import pyplot, save_figure
 PAPER = {"plain_6": 32.73, "msc_6": 33.10, "msc_36": 34.86, "msc_54": 35.16, "msc_72_l2": 35.81}
 BLOCKS = 3
 VARIANTS = ("post", "pre", "msc")
-PILOTS = ((0.0005, 4000), (0.001, 4000), (0.0015, 500), (0.003, 500))  # (peak lr, warm-up updates), every encoder
+# (peak lr, warm-up updates), every encoder; every warm-up ends by half a pilot (2,000 updates), so that a pilot
+# scores its rate and not its ramp (a warm-up of 4,000 left those pilots at a fraction of their peak)
+PILOTS = ((0.0005, 1000), (0.001, 1000), (0.0015, 500), (0.003, 500))
 EXTEND = 2  # at most this many pilots past an edge of the rates, per encoder
 
 
 def warmup_of(lr):
     """The warm-up of a pilot at ``lr``: the grid's, and past its edges the one at that edge."""
-    return dict(PILOTS).get(lr, 4000 if lr < PILOTS[0][0] else 500)
+    return dict(PILOTS).get(lr, PILOTS[0][1] if lr < PILOTS[0][0] else PILOTS[-1][1])
 
 
 def options(p):
     g = p.add_argument_group("msc")
     g.add_argument("--msc-updates", type=int, default=8000, help="updates of every model (default 8000)")
     g.add_argument("--msc-depths", default="6,12", help="encoder depths, multiples of 3 (default 6,12)")
-    # 800 updates left every 12-layer pilot below 1 valid greedy BLEU (a choice by noise) and a warm-up-4000 arm
-    # at a fifth of its peak lr; 2,000 (a quarter of the budget) passes the short warm-ups and half the long ones
+    # 800 updates left every 12-layer pilot below 1 valid greedy BLEU (a choice by noise); 2,000 (a quarter of the
+    # budget) runs half of each pilot past its warm-up
     g.add_argument("--msc-pilot-updates", type=int, default=2000, help="updates of each pilot (default 2000)")
     g.add_argument("--msc-dropout", type=float, default=0.1, help="dropout of all (default 0.1)")
     g.add_argument("--msc-train-sample", type=int, default=1000, help="training pairs scored (default 1000)")

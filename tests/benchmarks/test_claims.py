@@ -723,7 +723,9 @@ def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup():
              for v in best}
     assert tried == {"post": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012], "pre": [0.0005, 0.001, 0.0015, 0.003],
                      "msc": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012]}
-    assert "msc-pilot-pre12-lr0.0005-w4000" in scored and claims_msc.warmup_of(0.00025) == 4000
+    assert "msc-pilot-pre12-lr0.0005-w1000" in scored and claims_msc.warmup_of(0.00025) == 1000
+    # a pilot reaches every peak rate it scores: each warm-up ends by half the pilot
+    assert all(w <= 2000 // 2 for _, w in claims_msc.PILOTS)
 
 
 def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
