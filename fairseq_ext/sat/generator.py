@@ -496,7 +496,8 @@ class _GroupSearch(GroupStep, SequenceGenerator):
     def _group_beam_search(self, sample, bos_token: Optional[int] = None):
         """One vectorised step per group (see the module docstring for the rule and the proof of exactness).
         Rows are ``sentence * P + parent``; P = 1 at the first group (every hypothesis is the empty one), then B.
-        """
+        The enumerated step of a group of B parents runs as one compiled call where its graph is ready
+        (:class:`~fairseq_ext.sat.search_graph.GroupBeamGraph`, the same tensors)."""
         K, B, eos = self.group_size, self.beam_size, self.eos
         src_len, max_len, n_steps, tokens, encoder_outs, cum, scores, sents, finalized = self._beam_start(
             sample, bos_token)
@@ -509,24 +510,43 @@ class _GroupSearch(GroupStep, SequenceGenerator):
         cands = self._rank_tuples(B, K, dev) if K > 1 else None
         enumerate_ = cands is not None and cands[0].size(0) <= self.ENUMERATE_MAX_CANDIDATES
         group_step = self._enumerated_group if enumerate_ else self._pruned_group
+        fused = None  # the compiled group step (rows of B parents, K positions before --max-len), where ready
+        if enumerate_ and self._scripted_rules(dev) is not None:
+            step_of = self.model.static_state(encoder_outs[0], state, tokens.size(0)).step
+            fused = search_graph.ready(step_of, self.model.single_model.decoder, eos, self._tie_margin, beam=B,
+                                       slots=self._group_slots(cands, K))
+            every_bias = self._base_bias.expand(K, self.vocab_size).contiguous()  # the rules' row at each position
         for step in range(0, n_steps, K):
             n = len(sents)
-            lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
-                                                         self.temperature)
-            # per position, the B best non-EOS words [N, K, B] and EOS [N, K]
-            lprobs = self._constrain(lprobs, step, max_len)
-            if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
-                lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
-            eos_lp = lprobs[:, :, eos].clone()  # [N, K]
-            lprobs[:, :, eos] = -math.inf
-            vals, words = top_b(lprobs, B)
-            if self._selected_nan(vals, eos_lp):
-                self._nan_to_neg_inf(eos_lp)
-                vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
-            if group_attn is not None and attn is None:
-                attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
             last = min(K - 1, max_len - step)  # positions after --max-len are never reached
-            fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
+            done_by_graph = advanced = None
+            if fused is not None and P == B and last == K - 1 and attn is not None and self.temperature == 1.0 \
+                    and n * P <= step_rules.SCRIPTED_MAX_ROWS:
+                lprobs, group_attn = self.model.decode_logits(tokens[:, : step + K], encoder_outs[0], state)
+                bias = self._rule_bias(step, max_len)
+                done_by_graph = self._fused_group(fused, lprobs, bias if bias.size(0) == K else every_bias, scores,
+                                                  tokens, cum, attn, group_attn, step, cands, P)
+                if done_by_graph is None:  # a NaN selected: the step below on the corrected distributions
+                    lprobs = torch.log_softmax(lprobs, dim=-1)
+            else:
+                lprobs, group_attn = self.model.decode_group(tokens[:, : step + K], encoder_outs[0], state,
+                                                             self.temperature)
+            if done_by_graph is not None:
+                (fin_list, ended, alive, X, chosen), advanced = done_by_graph
+            else:
+                # per position, the B best non-EOS words [N, K, B] and EOS [N, K]
+                lprobs = self._constrain(lprobs, step, max_len)
+                if self.repeat_ngram_blocker is not None:  # K = 1 only: then `tokens` is fairseq's buffer exactly
+                    lprobs[:, 0] = self.repeat_ngram_blocker(tokens, lprobs[:, 0], n, P, step)
+                eos_lp = lprobs[:, :, eos].clone()  # [N, K]
+                lprobs[:, :, eos] = -math.inf
+                vals, words = top_b(lprobs, B)
+                if self._selected_nan(vals, eos_lp):
+                    self._nan_to_neg_inf(eos_lp)
+                    vals, words = top_b(self._nan_to_neg_inf(lprobs), B)
+                if group_attn is not None and attn is None:
+                    attn = torch.zeros(tokens.size(0), src_len, n_steps, dtype=torch.float, device=dev)
+                fin_list, ended, alive, X, chosen = group_step(scores, vals, words, eos_lp, n, P, last, cands)
 
             # the host needs which hypotheses end (in rank order, per position): one read per group
             done = [False] * n
@@ -554,18 +574,21 @@ class _GroupSearch(GroupStep, SequenceGenerator):
                 break
 
             # the next hypotheses: the exact top B K-word continuations of each remaining sentence
-            keep = torch.tensor(keep_sents, device=dev)
-            scores, sel = alive.reshape(n, P * X).index_select(0, keep).topk(B, dim=1)  # [n', B]
-            rows = (keep.unsqueeze(1) * P + torch.div(sel, X, rounding_mode="floor")).view(-1)
-            new_words, new_cum = chosen(rows * X + sel.view(-1) % X)  # [n' * B, K] each
-            tokens = tokens.index_select(0, rows)
-            tokens[:, K + step: 2 * K + step] = new_words
-            cum = cum.index_select(0, rows)
-            cum[:, step: step + K] = new_cum
-            if attn is not None:
-                attn = attn.index_select(0, rows)
-                attn[:, :, step: step + K] = group_attn.index_select(0, rows).transpose(1, 2)
-            scores = scores.view(-1)
+            if advanced is not None and len(keep_sents) == n:  # the compiled step's, every sentence kept
+                rows, scores, tokens, cum, attn = advanced
+            else:
+                keep = torch.tensor(keep_sents, device=dev)
+                scores, sel = alive.reshape(n, P * X).index_select(0, keep).topk(B, dim=1)  # [n', B]
+                rows = (keep.unsqueeze(1) * P + torch.div(sel, X, rounding_mode="floor")).view(-1)
+                new_words, new_cum = chosen(rows * X + sel.view(-1) % X)  # [n' * B, K] each
+                tokens = tokens.index_select(0, rows)
+                tokens[:, K + step: 2 * K + step] = new_words
+                cum = cum.index_select(0, rows)
+                cum[:, step: step + K] = new_cum
+                if attn is not None:
+                    attn = attn.index_select(0, rows)
+                    attn[:, :, step: step + K] = group_attn.index_select(0, rows).transpose(1, 2)
+                scores = scores.view(-1)
             sents = [sents[s] for s in keep_sents]
             P = B
             encoder_outs = self._reorder(state, encoder_outs, rows)

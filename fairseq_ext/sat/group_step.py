@@ -95,38 +95,46 @@ class GroupStep:
     def _enumerated_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step over every parent's candidate prefixes at once (:meth:`_rank_tuples`): one gather,
         one cumulative sum and one top-B for all positions, instead of a prune per position."""
-        ranks, lengths, length_list = cands
-        N, K, B = vals.shape
-        C, J = ranks.size(0), last + 1
+        J = last + 1
         index, n_ends, slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, J)
-        idx = ranks.t().unsqueeze(0).expand(N, K, C)
-        cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
-        # cumulative scores along each candidate: s(h), then + lp_k(v_k) per position (cumsum accumulates in
-        # double on a CPU: the same float as fairseq's running sum for K = 1, within an ulp per position beyond)
-        cand_vals = vals.gather(2, idx).transpose(1, 2)  # [N, C, K]
-        cand_cum = torch.cat([scores.view(N, 1, 1).expand(N, C, 1), cand_vals], 2).cumsum(2)  # [N, C, K + 1]
-        prefix = cand_cum.gather(2, length_at.expand(N, C, 1)).squeeze(2)  # [N, C]
-        # ending at position L: the prefix of length L, then EOS there (none for L = K: the group is full)
-        end = prefix + eos_lp.gather(1, eos_at.expand(N, C))
-        # per position j, the candidates of length j + 1: those ending at j and the prefixes of length j + 1
-        ranked = torch.cat([end, prefix, end.new_full((N, 1), -math.inf)], 1).index_select(1, index)
-        ranked = ranked.view(n, P, J, W).transpose(1, 2).reshape(n, J, P * W)
-        top_sc, top_i = ranked.topk(B, dim=2)  # per sentence and position, the top B of that length
-        fin = torch.where((top_i % W < n_ends) & top_sc.ne(-math.inf), top_i, -1)
-        fin_list = fin.transpose(0, 1).tolist()  # [J, n, B]
+        cand_words, cand_cum, end, fin, alive = enumerated_candidates(
+            scores, vals, words, eos_lp, cands[0], index, n_ends, eos_at, length_at, not_full, P, J, W)
+        return self._group_outputs(cands, J, P, cand_words, cand_cum, end, fin.transpose(0, 1).tolist(), alive)
+
+    def _group_outputs(self, cands, J: int, P: int, cand_words, cand_cum, end, fin_list, alive):
+        """(fin_list, ended, alive, X, chosen) of an enumerated group step (see above) from the tensors of
+        :func:`enumerated_candidates` (computed by :meth:`_enumerated_group`, or by the compiled graph of
+        :class:`~fairseq_ext.sat.search_graph.GroupBeamGraph`) and ``fin_list`` [J, n, B] read on the host."""
+        length_list = cands[2]
+        _index, _n_ends, slot_candidate, W = self._enumerated_slots(cands, J)[:4]
+        K = cand_words.size(2)
 
         def ended(j, s, i):
             row, c = s * P + i // W, slot_candidate[j][i % W]
             L = length_list[c]
             return row, cand_words[row, c, :L], torch.cat([cand_cum[row, c, 1: L + 1], end[row, c: c + 1]])
 
-        alive = prefix.masked_fill(not_full, -math.inf)
-
         def chosen(flat):
             return (cand_words.reshape(-1, K).index_select(0, flat),
                     cand_cum[:, :, 1:].reshape(-1, K).index_select(0, flat))
 
-        return fin_list, ended, alive, C, chosen
+        return fin_list, ended, alive, alive.size(1), chosen
+
+    def _group_slots(self, cands, K: int):
+        """The enumeration's constants for a step of K positions, as :class:`~fairseq_ext.sat.search_graph.
+        GroupBeamGraph` takes them."""
+        index, n_ends, _slot_candidate, W, eos_at, length_at, not_full = self._enumerated_slots(cands, K)
+        return cands[0], index, n_ends, W, eos_at, length_at, not_full
+
+    def _fused_group(self, graph, logits, bias, scores, tokens, cum, attn, group_attn, step: int, cands, P: int):
+        """The enumerated group step of K positions on its compiled graph (:class:`~fairseq_ext.sat.search_graph.
+        GroupBeamGraph`): (the group step's outputs, the next (rows, scores, tokens, cum, attn) with every sentence
+        kept), or None where a selected value is NaN (the search then takes its own step on the corrected
+        distributions)."""
+        out = graph.run(logits, bias, scores, tokens, cum, attn, group_attn, torch.tensor(step))
+        if bool(out[0]):
+            return None
+        return self._group_outputs(cands, logits.size(1), P, out[2], out[3], out[4], out[1].tolist(), out[5]), out[6:]
 
     def _pruned_group(self, scores, vals, words, eos_lp, n, P, last, cands):
         """The group step position by position: the top-B prefixes of length j + 1 from those of length j and
@@ -173,3 +181,30 @@ class GroupStep:
 
         return fin_list, ended, pre_cum[:, :, -1], B, chosen
 
+
+def enumerated_candidates(scores, vals, words, eos_lp, ranks, index, n_ends, eos_at, length_at, not_full, P: int,
+                          J: int, W: int):
+    """The enumerated group step's tensors (:meth:`GroupStep._enumerated_group`; its cached slots
+    :meth:`GroupStep._enumerated_slots` for J positions): rows ``sentence * P + parent`` of scores [N], the B best
+    non-EOS words' log-probabilities and words per position ``vals``, ``words`` [N, K, B] and EOS's [N, K], and the
+    rank tuples ``ranks`` [C, K]. Returns each candidate's words [N, C, K], cumulative scores [N, C, K + 1] (s(h)
+    first) and score if it ends [N, C], the ending ones among each sentence's top B per position [n, J, B] (an
+    index into that position's slots, -1 where none) and the scores of the candidates that fill the group [N, C]
+    (-inf for the others). Plain tensor code, also compiled into the beam's graph."""
+    N, K, B = vals.shape
+    C = ranks.size(0)
+    idx = ranks.t().unsqueeze(0).expand(N, K, C)
+    cand_words = words.gather(2, idx).transpose(1, 2)  # [N, C, K]
+    # cumulative scores along each candidate: s(h), then + lp_k(v_k) per position (cumsum accumulates in
+    # double on a CPU: the same float as fairseq's running sum for K = 1, within an ulp per position beyond)
+    cand_vals = vals.gather(2, idx).transpose(1, 2)  # [N, C, K]
+    cand_cum = torch.cat([scores.view(N, 1, 1).expand(N, C, 1), cand_vals], 2).cumsum(2)  # [N, C, K + 1]
+    prefix = cand_cum.gather(2, length_at.expand(N, C, 1)).squeeze(2)  # [N, C]
+    # ending at position L: the prefix of length L, then EOS there (none for L = K: the group is full)
+    end = prefix + eos_lp.gather(1, eos_at.expand(N, C))
+    # per position j, the candidates of length j + 1: those ending at j and the prefixes of length j + 1
+    ranked = torch.cat([end, prefix, end.new_full((N, 1), -math.inf)], 1).index_select(1, index)
+    ranked = ranked.view(-1, P, J, W).transpose(1, 2).reshape(-1, J, P * W)
+    top_sc, top_i = ranked.topk(B, dim=2)  # per sentence and position, the top B of that length
+    fin = torch.where((top_i % W < n_ends) & top_sc.ne(-math.inf), top_i, -1)
+    return cand_words, cand_cum, end, fin, prefix.masked_fill(not_full, -math.inf)

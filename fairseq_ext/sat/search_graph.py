@@ -8,7 +8,9 @@ static_step.OutputProjection`), and fairseq's rules and choice as a TorchScript 
 ~20 small operations through TorchScript's interpreter). :class:`GreedyGraph` is the same step module, the same
 product and the same rules' code as one module, which AOTInductor compiles into one call; :class:`BeamGraph` the
 beam's rules and candidates alone, after the projection (inside the graph, the product of a beam's rows was slower
-than the kernel :class:`~fairseq_ext.inference.static_step.OutputProjection` picks for them). ``python -m
+than the kernel :class:`~fairseq_ext.inference.static_step.OutputProjection` picks for them), and
+:class:`GroupBeamGraph` the same for the SAT's group beam (K > 1): the rules, each position's best words, the
+enumerated groups and the next hypotheses, where the op path ran ~40 operations from Python a group. ``python -m
 benchmarks.speed.decode`` times the searches.
 
 Each is compiled like the step (the same cache, package key and background process), once the step's own package
@@ -22,6 +24,7 @@ others (inductor makes each one loop; ``topk`` took ~80 us a call over 7,840 wor
 already sends to fairseq's generator.
 """
 
+import math
 import weakref
 from typing import Optional
 
@@ -30,7 +33,7 @@ from torch import Tensor
 
 from fairseq_ext.inference import aot_step
 from fairseq_ext.inference.static_step import AOT_MAX_POSITIONS, Step, StaticState, call_graph, compile_example
-from fairseq_ext.sat import step_rules
+from fairseq_ext.sat import group_step, step_rules
 
 _TWO_MAXIMA = 0  # _greedy_pick's chunk for the best two words as two maxima (module docstring)
 
@@ -102,31 +105,99 @@ class BeamGraph(torch.nn.Module):
         return {0: a}, None, {0: a}, {0: a, 1: a}, {0: a, 1: a}, {0: a, 1: a, 2: a}, {0: a, 2: a}, None
 
 
+class GroupBeamGraph(torch.nn.Module):
+    """The SAT's group beam step (K > 1, the enumerated step of :mod:`fairseq_ext.sat.group_step`) for a beam of
+    ``beam`` with ``beam`` rows per sentence and all K positions before --max-len, on the logits: fairseq's rules
+    (the row of each position), the B best non-EOS words and EOS of each position, the candidates' scores and the
+    ending ones among each sentence's top B per position (:func:`~fairseq_ext.sat.group_step.
+    enumerated_candidates`), then the next hypotheses for the case where every sentence goes on (the search takes
+    them then, and advances its own way when a sentence is done). ``slots``: the rank tuples [C, K] and the
+    enumeration's slots for K positions (:meth:`GroupStep._enumerated_slots`: index, ends, W, eos position,
+    length, not-full mask). The projection stays outside, as for :class:`BeamGraph`. ``topk`` here where the
+    search takes :func:`~fairseq_ext.sat.generator.top_b` from 8 rows on: the same values, the same words but
+    among exactly equal values."""
+
+    source_files = (group_step.__file__,)
+
+    def __init__(self, eos: int, beam: int, ranks: Tensor, index: Tensor, n_ends: Tensor, W: int, eos_at: Tensor,
+                 length_at: Tensor, not_full: Tensor):
+        super().__init__()
+        self.eos, self.beam, self.W = int(eos), int(beam), int(W)
+        self.K = int(ranks.size(1))
+        for name, t in (("ranks", ranks), ("index", index), ("n_ends", n_ends), ("eos_at", eos_at),
+                        ("length_at", length_at), ("not_full", not_full)):
+            self.register_buffer(name, t.clone(), persistent=False)
+
+    def forward(self, logits: Tensor, rule_bias: Tensor, scores: Tensor, tokens: Tensor, cum: Tensor, attn: Tensor,
+                group_attn: Tensor, step: Tensor):
+        """logits [N, K, V], the rules' row of each position [K, V], each row's score [N], the search's buffers
+        (tokens [N, K + steps], cum [N, steps], attn [N, S, steps]), the group's attention [N, K, S] and the step
+        (a 0-d tensor) -> whether a selected value is NaN [1], the ending candidates [K, n, B], each candidate's
+        words [N, C, K], cumulative scores [N, C, K + 1] and score if it ends [N, C], the scores of those that
+        fill the group [N, C], then the next hypotheses with every sentence kept: (rows, scores, tokens, cum,
+        attn)."""
+        K, B = self.K, self.beam
+        lprobs = torch.log_softmax(logits, dim=-1) + rule_bias
+        eos_lp = lprobs[:, :, self.eos]  # [N, K]
+        vals, words = lprobs.index_fill(2, torch.tensor([self.eos]), -math.inf).topk(B, dim=2)  # [N, K, B]
+        nan = (vals.isnan().any() | eos_lp.isnan().any()).view(1)
+        cand_words, cand_cum, end, fin, alive = group_step.enumerated_candidates(
+            scores, vals, words, eos_lp, self.ranks, self.index, self.n_ends, self.eos_at, self.length_at,
+            self.not_full, B, K, self.W)
+        C = alive.size(1)
+        top, sel = alive.reshape(-1, B * C).topk(B, dim=1)  # [n, B]: each sentence's top B continuations
+        rows = (torch.arange(top.size(0)).unsqueeze(1) * B + torch.div(sel, C, rounding_mode="floor")).view(-1)
+        flat = rows * C + sel.view(-1) % C
+        positions = step + torch.arange(K)
+        tokens = tokens.index_select(0, rows).index_copy(1, positions + K,
+                                                         cand_words.reshape(-1, K).index_select(0, flat))
+        new_cum = cand_cum[:, :, 1:].reshape(-1, K).index_select(0, flat)
+        cum = cum.index_select(0, rows).index_copy(1, positions, new_cum)
+        attn = attn.index_select(0, rows).index_copy(2, positions, group_attn.index_select(0, rows).transpose(1, 2))
+        return (nan, fin.transpose(0, 1).contiguous(), cand_words, cand_cum, end, alive, rows, top.view(-1), tokens,
+                cum, attn)
+
+    @staticmethod
+    def dynamic_shapes(example):
+        from torch.export import Dim
+
+        a = Dim.AUTO
+        return {0: a}, None, {0: a}, {0: a, 1: a}, {0: a, 1: a}, {0: a, 1: a, 2: a}, {0: a, 2: a}, None
+
+
 _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Step -> {key: graph, Pending or None}
 
 
-def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0):
-    """The compiled graph for ``step``'s greedy search (``beam`` 0) or a beam of ``beam`` (K = 1), with ``eos`` and
+def ready(step: Step, decoder, eos: int, margin: float, beam: int = 0, slots=None):
+    """The compiled graph for ``step``'s greedy search (``beam`` 0), a beam of ``beam`` (K = 1) or, with the
+    enumeration's ``slots`` (:class:`GroupBeamGraph`), the group beam of ``beam`` (K > 1), with ``eos`` and
     ``margin``, once it is ready, else None; starts its compile (in the background, :func:`aot_step.start`) once
     the step's own compiled graph is ready."""
     if not isinstance(step.compiled, aot_step.AOTGraph) or step.output.weight_t is None:
         return None
     graphs = _GRAPHS.setdefault(step, {})
-    key = (int(eos), float(margin), int(beam))
+    key = (int(eos), float(margin), int(beam), slots is not None)
     g = graphs.get(key, False)
     if g is False:
         w, b = step.output.weight_t, step.output.bias
         V = w.size(1)
-        if beam:  # three sentences of ``beam`` rows, buffers of distinct sizes (torch.export keeps them apart)
+        K = int(getattr(decoder, "group_size", 1))
+        if slots is not None:  # n sentences of ``beam`` rows, buffers of distinct sizes
+            module = GroupBeamGraph(eos, beam, *slots)
+            N = next(m * beam for m in (3, 5, 7, 11) if m * beam not in (4 * K + 5, 4 * K + 3, 7, K))
+            example = (torch.zeros(N, K, V), torch.zeros(K, V), torch.zeros(N),
+                       torch.zeros(N, 4 * K + 5, dtype=torch.long), torch.zeros(N, 4 * K + 3),
+                       torch.zeros(N, 7, 4 * K + 3), torch.zeros(N, K, 7), torch.tensor(2))
+        elif beam:  # three sentences of ``beam`` rows, buffers of distinct sizes (torch.export keeps them apart)
             module = BeamGraph(eos, margin, beam, V)
             N = 3 * beam
             example = (torch.zeros(N, 1, V), torch.zeros(1, V), torch.zeros(N), torch.zeros(N, 13, dtype=torch.long),
                        torch.zeros(N, 11), torch.zeros(N, 7, 11), torch.zeros(N, 1, 7), torch.tensor(5))
         else:
             module = GreedyGraph(step.module, w, b, eos, margin)
-            K = int(getattr(decoder, "group_size", 1))
             example = compile_example(step.module, decoder) + (torch.zeros(K, V),)
-        g = graphs[key] = aot_step.start(module.eval(), example, f"the {'beam' if beam else 'greedy'} search's graph",
+        what = "group beam" if slots is not None else "beam" if beam else "greedy"
+        g = graphs[key] = aot_step.start(module.eval(), example, f"the {what} search's graph",
                                          "the search runs its scripted rules")
     if isinstance(g, aot_step.Pending):
         done = g.ready()

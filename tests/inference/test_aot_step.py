@@ -312,3 +312,94 @@ def test_a_search_graph_compile_names_the_graph_and_what_runs_meanwhile(compiled
         assert search_graph.ready(step, m.decoder, DICT.eos(), 1e-3, beam=5) is None
     assert failed and "the beam search's graph: not compiled ahead of time (no C++ compiler (g++) on PATH); the " \
         "search runs its scripted rules" in caplog.text
+
+
+def group_beam_graph(gen, m, B, K):
+    """The compiled group beam graph of the SAT ``m`` for a beam of ``B``, started and waited for."""
+    step = ss.step_graph(m.decoder)
+    slots = gen._group_slots(gen._rank_tuples(B, K, torch.device("cpu")), K)
+    search_graph.ready(step, m.decoder, DICT.eos(), gen._tie_margin, beam=B, slots=slots)
+    search_graph.wait(step)
+    graph = search_graph.ready(step, m.decoder, DICT.eos(), gen._tie_margin, beam=B, slots=slots)
+    assert isinstance(graph, aot_step.AOTGraph)
+    return graph
+
+
+@slow
+def test_group_beam_graph_equals_the_enumerated_group_step(compiled):
+    """SAT K=2, two sentences of a beam of 3, EOS among the best at each position: the compiled group step's ending
+    candidates, their hypotheses, the candidates' words and scores and the next hypotheses with both sentences kept
+    equal the enumerated step's on the op path (scores 1e-5, words, rows and ending slots exactly); a NaN selected
+    hands the group back to the op path (None)."""
+    m, K, B = compiled["sat K=2"], 2, 3
+    gen = SATSequenceGenerator([m], DICT, beam_size=B)
+    graph = group_beam_graph(gen, m, B, K)
+    cands = gen._rank_tuples(B, K, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    N, V, step = 2 * B, len(DICT), 4
+    logits = torch.randn(N, K, V, generator=g)
+    logits[1, 0, DICT.eos()] = 8.0  # ends at the group's first position
+    logits[4, 1, DICT.eos()] = 8.0  # ... and at its second
+    scores = -torch.rand(N, generator=g)
+    bias = torch.zeros(K, V)
+    bias[:, DICT.pad()] = float("-inf")
+    tokens = torch.randint(4, 50, (N, 2 * K + step + 2), generator=g)
+    cum, attn, group_attn = torch.randn(N, 10, generator=g), torch.rand(N, 5, 10, generator=g), torch.rand(N, K, 5)
+
+    lprobs = torch.log_softmax(logits, dim=-1) + bias  # the op path (_group_beam_search)
+    eos_lp = lprobs[:, :, DICT.eos()].clone()
+    lprobs[:, :, DICT.eos()] = float("-inf")
+    vals, words = lprobs.topk(B, dim=-1)
+    fin0, ended0, alive0, X0, chosen0 = gen._enumerated_group(scores, vals, words, eos_lp, 2, B, K - 1, cands)
+    scores0, sel = alive0.reshape(2, B * X0).topk(B, dim=1)
+    rows0 = (torch.arange(2).unsqueeze(1) * B + torch.div(sel, X0, rounding_mode="floor")).view(-1)
+    words0, new_cum0 = chosen0(rows0 * X0 + sel.view(-1) % X0)
+    tokens0, cum0, attn0 = tokens.index_select(0, rows0), cum.index_select(0, rows0), attn.index_select(0, rows0)
+    tokens0[:, K + step: 2 * K + step], cum0[:, step: step + K] = words0, new_cum0
+    attn0[:, :, step: step + K] = group_attn.index_select(0, rows0).transpose(1, 2)
+
+    (fin1, ended1, alive1, X1, chosen1), (rows1, scores1, tokens1, cum1, attn1) = gen._fused_group(
+        graph, logits, bias, scores, tokens, cum, attn, group_attn, step, cands, B)
+    assert fin1 == fin0 and X1 == X0 and any(i >= 0 for j in fin0 for s in j for i in s)
+    assert_close(alive1, alive0, atol=1e-5)
+    for j, per_sentence in enumerate(fin0):
+        for s, slots in enumerate(per_sentence):
+            for i in (i for i in slots if i >= 0):
+                (r0, w0, c0), (r1, w1, c1) = ended0(j, s, i), ended1(j, s, i)
+                assert r1 == r0 and torch.equal(w1, w0)
+                assert_close(c1, c0, atol=1e-5)
+    flat = torch.arange(N * X0)
+    assert torch.equal(chosen1(flat)[0], chosen0(flat)[0])
+    assert_close(chosen1(flat)[1], chosen0(flat)[1], atol=1e-5)
+    assert torch.equal(rows1, rows0) and torch.equal(tokens1, tokens0)
+    for a, b in ((scores1, scores0.view(-1)), (cum1, cum0), (attn1, attn0)):
+        assert_close(a, b, atol=1e-5)
+    logits[3, 1, :] = float("nan")
+    assert gen._fused_group(graph, logits, bias, scores, tokens, cum, attn, group_attn, step, cands, B) is None
+
+
+@slow
+def test_generator_on_the_group_beam_graph_gives_the_op_paths_hypotheses(compiled, monkeypatch):
+    """SAT K=2, beam 3, three sentences: with the group beam graph ready the search takes it at every group of
+    B parents that runs to its end, and its n-best lists (tokens, scores 1e-5) are those of the op path."""
+    m, K, B = compiled["sat K=2"], 2, 3
+    src, lengths, _ = batch(bsz=3, src_len=9)
+    sample = sat_sample(src, lengths)
+    gen = SATSequenceGenerator([m], DICT, beam_size=B, max_len_a=0, max_len_b=12, min_len=5)
+    group_beam_graph(gen, m, B, K)
+    calls = []
+    fused = type(gen)._fused_group
+    monkeypatch.setattr(type(gen), "_fused_group", lambda self, *a: calls.append(1) or fused(self, *a))
+    with torch.no_grad():
+        ours = gen.generate([m], sample)
+    assert len(calls) > 2
+    ready = search_graph.ready
+    monkeypatch.setattr(search_graph, "ready", lambda *a, **k: None if k.get("slots") is not None else ready(*a, **k))
+    n = len(calls)
+    with torch.no_grad():
+        ref = gen.generate([m], sample)
+    assert len(calls) == n
+    for a, b in zip(ours, ref):
+        assert [h["tokens"].tolist() for h in a] == [h["tokens"].tolist() for h in b]
+        for x, y in zip(a, b):
+            assert_close(x["positional_scores"], y["positional_scores"], atol=1e-5)
