@@ -71,6 +71,7 @@ class SAT:
         self.ctx, self.S, self.a, self.corpus = ctx, ctx.S, ctx.args, ctx.corpus
         self.kd_name, self.kd_bin = self.kd_names(0)
         self.k1_round = None  # the last self-distillation round when it did not gain: the teacher's K = 1 student
+        self.k1_stage = None  # that round's number
         self.ks = [int(k) for k in self.a.sat_ks.split(",")]
         self.smoke = self.a.smoke
 
@@ -88,7 +89,7 @@ class SAT:
         """The release trained on in rounds until one gains less than ``--sat-teacher-gain`` valid BLEU (beam 4):
         round r starts from round r - 1's average (round 1 from ``--sat-teacher``) with a fresh optimizer. Returns
         (the teacher's job name or None for ``--sat-teacher`` itself, [(round, valid BLEU beam 4)], whether the
-        last round still gained)."""
+        last round still gained); sets ``real_round``, the teacher's round (0: ``--sat-teacher`` itself)."""
         from fairseq_ext.checkpoints.release import sha256
 
         S, a = self.S, self.a
@@ -98,7 +99,7 @@ class SAT:
                                ["data"], settings=start_digest))
         S.run_all([start.name])
         scores = [(0, S.result(start.name)["bleu_valid_beam4"])]
-        best, prev = None, a.sat_teacher
+        best, prev, self.real_round = None, a.sat_teacher, 0
         for r in range(1, a.sat_teacher_rounds + 1 if a.sat_teacher_updates else 1):
             name = f"sat-teacher-r{r}"
             argv = ["--task", "translation", "--arch", "transformer", "--source-lang", "de", "--target-lang", "en",
@@ -115,7 +116,7 @@ class SAT:
             scores.append((r, S.result(f"{name}-eval")["bleu_valid_beam4"]))
             if scores[-1][1] - scores[-2][1] < a.sat_teacher_gain:
                 return best, scores, False
-            best, prev = name, S.result(name)["checkpoint"]
+            best, prev, self.real_round = name, S.result(name)["checkpoint"], r
         return best, scores, bool(a.sat_teacher_updates)
 
     def distill(self, teacher, score):
@@ -124,9 +125,10 @@ class SAT:
         (beam 4), from the teacher (every weight), at --sat-teacher-lr for --sat-max-update updates; while it beats
         the teacher by --sat-teacher-gain it becomes the teacher, as the fairseq transformer it computes. Returns
         (the teacher's job or None, its stage, [(round, valid BLEU beam 4)], the last round when it did not gain,
-        whether the last round allowed still gained); sets the distilled data the students read."""
+        whether the last round allowed still gained); sets the distilled data the students read and
+        ``teacher_training``, the job that trained the teacher (None: --sat-teacher)."""
         S, a = self.S, self.a
-        scores, stage = [], 0
+        scores, stage, self.teacher_training = [], 0, teacher
         for d in range(1, a.sat_teacher_distill_rounds + 1):
             path_of, deps = self.path_of(teacher), [teacher] if teacher else []
             kd_name, kd_bin = self.kd_names(d - 1)
@@ -140,7 +142,7 @@ class SAT:
             S.run_all([f"{name}-eval"])
             scores.append((d, S.result(f"{name}-eval")["bleu_valid_beam4"]))
             if scores[-1][1] - score < a.sat_teacher_gain:
-                self.k1_round = (name, argv, kd_name, [kd_name, *deps])
+                self.k1_round, self.k1_stage = (name, argv, kd_name, [kd_name, *deps]), d
                 self.kd_name, self.kd_bin = kd_name, kd_bin
                 return teacher, stage, scores, False
             export = f"{name}-transformer"
@@ -150,7 +152,7 @@ class SAT:
                 S.log(f"{n}-transformer")), {"as": "transformer"}, [name],
                 what=f"round {d} as a fairseq transformer checkpoint"))
             S.run_all([export])
-            teacher, stage, score = export, d, scores[-1][1]
+            teacher, stage, score, self.teacher_training = export, d, scores[-1][1], name
         self.kd_name, self.kd_bin = self.kd_names(stage)
         return teacher, stage, scores, bool(scores)
 
@@ -219,7 +221,9 @@ class SAT:
         return chosen, {f"sat-pilot-{r}-{i}-lr{lr}": b for ((r, i), lr), b in by.items()}
 
     def students(self, chosen):
-        names = []
+        """Every K of ``--sat-ks`` on both recipes; returns their job names and sets ``student_of``, each name's
+        (K, recipe)."""
+        names, self.student_of = [], {}
         for K in self.ks:
             for recipe in RECIPES:
                 init, lr = chosen[recipe]
@@ -239,6 +243,7 @@ class SAT:
                 self.S.add(eval_job(f"{name}-eval", self.S, lambda S, n=name: S.result(n)["checkpoint"],
                                     self.corpus, [("valid", 1), ("valid", 4), ("test", 1), ("test", 4)], [name]))
                 names.append(name)
+                self.student_of[name] = (K, recipe)
         return names
 
     def analysis_jobs(self, students):
@@ -257,7 +262,7 @@ class SAT:
 
         def repeats(job, S):
             files = [os.path.join(S.result(f"{n}-eval")["hyps_dir"], "test.beam4.spm") for n in students]
-            Ks = [int(n.split("-")[1][1:]) for n in students]
+            Ks = [self.student_of[n][0] for n in students]
             return S.worker("group_repeats", {"spm_files": files, "Ks": Ks}, S.log("sat-repeats"))
 
         S.add(Job("sat-repeats", repeats, {}, [f"{n}-eval" for n in students],
@@ -285,7 +290,7 @@ class SAT:
         S = self.S
         teacher, rounds, still_gaining = self.teacher()
         real_rounds_teacher = teacher
-        teacher, stage, distilled, distill_gaining = self.distill(teacher, dict(rounds)[_round_of(teacher)])
+        teacher, stage, distilled, distill_gaining = self.distill(teacher, dict(rounds)[self.real_round])
         self.teacher_path_of = self.path_of(teacher)
         self.teacher_deps = [teacher] if teacher else []
         self.teacher_path = self.teacher_path_of(S)
@@ -307,7 +312,9 @@ class SAT:
                 "teacher_real_rounds": real_rounds_teacher, "teacher_distill_rounds": distilled,
                 "teacher_k1_round": self.k1_round[0] if self.k1_round else None,
                 "teacher_still_gaining": still_gaining, "teacher_distill_still_gaining": distill_gaining,
-                "kd_data": self.kd_name}
+                "kd_data": self.kd_name, "teacher_round": self.real_round, "teacher_stage": stage,
+                "teacher_training": self.teacher_training, "teacher_k1_stage": self.k1_stage,
+                "student_of": {n: [K, recipe] for n, (K, recipe) in self.student_of.items()}}
 
 
 def smoke(a):
@@ -318,11 +325,6 @@ def smoke(a):
     a.sat_teacher_distill_rounds = min(a.sat_teacher_distill_rounds, 1)
 
 
-def _round_of(teacher):
-    """The round number of a real-target teacher round's job (0: --sat-teacher itself)."""
-    return int(teacher.rsplit("-r", 1)[1]) if teacher else 0
-
-
 def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     """The BLEU table: the teacher, then every student with its updates, minutes, curve check and ratio."""
     made = _teacher_label(outcome)
@@ -330,30 +332,13 @@ def _bleu_rows(outcome, ev, tr, teacher, teacher_tr):
     rows = [[label, *(R.fmt(teacher[k]) for k in KEYS), teacher_tr.get("updates", "-") if teacher_tr else "-",
              curve_cell(teacher_tr) if teacher_tr else "-", "100%", "-"]]
     for n in outcome["students"]:
-        K, recipe = int(n.split("-")[1][1:]), n.split("-")[2]
+        K, recipe = outcome["student_of"][n]
         ratio = ev[n]["bleu_test_beam4"] / teacher["bleu_test_beam4"] if teacher["bleu_test_beam4"] else None
         rows.append([f"K={K}, {'distilled' if recipe == 'kd' else 'real'} targets", *(R.fmt(ev[n][k]) for k in KEYS),
                      tr[n]["updates"], curve_cell(tr[n]), "-" if ratio is None else f"{100 * ratio:.0f}%",
                      f"{100 * PAPER['ratio_to_teacher'][str(K)]:.0f}%" if str(K) in PAPER["ratio_to_teacher"]
                      and recipe == "kd" else "-"])
     return rows
-
-
-def _teacher_round(outcome):
-    """The teacher's round on the real targets (0: the starting point itself)."""
-    return _round_of(outcome.get("teacher_real_rounds", outcome["teacher"]))
-
-
-def _teacher_stage(outcome):
-    """How many self-distillation rounds made the teacher (0: it is a round on the real targets)."""
-    t = outcome["teacher"]
-    return int(t.rsplit("-d", 1)[1].split("-")[0]) if t and t.startswith("sat-teacher-d") else 0
-
-
-def _teacher_training(outcome):
-    """The training job of the teacher (None: --sat-teacher as it is)."""
-    t = outcome["teacher"]
-    return t[:-len("-transformer")] if t and t.endswith("-transformer") else t
 
 
 def _teacher_line(a, outcome):
@@ -363,7 +348,7 @@ def _teacher_line(a, outcome):
     if not a.sat_teacher_updates:
         return start
     by_round = ", ".join(("start" if r == 0 else f"round {r}") + f" {b:.2f}" for r, b in outcome["teacher_rounds"])
-    r = _teacher_round(outcome)
+    r = outcome["teacher_round"]
     stop = (f"the last round allowed (--sat-teacher-rounds {a.sat_teacher_rounds}) still gained"
             if outcome["teacher_still_gaining"] else f"round {len(outcome['teacher_rounds']) - 1} gained less")
     line = (f"{start} trained on in rounds of {a.sat_teacher_updates} updates on the real targets, each from the "
@@ -374,8 +359,7 @@ def _teacher_line(a, outcome):
     distilled = outcome.get("teacher_distill_rounds") or []
     if not distilled:
         return line + " is the teacher"
-    d = _teacher_stage(outcome)
-    k1 = outcome.get("teacher_k1_round")
+    d, k1 = outcome["teacher_stage"], outcome.get("teacher_k1_stage")
     return (line + " was trained on by rounds of self-distillation, each a K = 1 student of "
             f"{a.sat_max_update} updates (lr {a.sat_teacher_lr}, every weight from the teacher) on the training set "
             "re-translated by the teacher (beam 4), which becomes the teacher while it gains at least "
@@ -383,7 +367,7 @@ def _teacher_line(a, outcome):
             "student does not beat it by more: valid BLEU by round "
             + ", ".join(f"{b:.2f}" for _, b in distilled) + "; the teacher is "
             + (f"self-distillation round {d}" if d else "that round")
-            + (f" (round {k1.rsplit('-d', 1)[1]}, which gained less, is its K = 1 distilled student)" if k1 else
+            + (f" (round {k1}, which gained less, is its K = 1 distilled student)" if k1 is not None else
                f" (the last round allowed, --sat-teacher-distill-rounds {a.sat_teacher_distill_rounds}, still "
                "gained)"))
 
@@ -403,12 +387,14 @@ def _speed_rows(speed, ks):
     return srows
 
 
-def _repeat_rows(reps, students):
-    """One row per student of ``students`` (names ``sat-k{K}-{recipe}``, in the order of ``reps``)."""
-    return [[f"K={f['K']}, {'distilled' if n.endswith('-kd') else 'real'} targets", f["repeats_inside_groups"],
-             f["pairs_inside"], f"{100 * f['repeats_inside_groups'] / max(1, f['pairs_inside']):.1f}%",
+def _repeat_rows(reps, outcome):
+    """One row per student of the outcome (in the order of ``reps``), its recipe from ``student_of``."""
+    return [[f"K={f['K']}, {'distilled' if outcome['student_of'][n][1] == 'kd' else 'real'} targets",
+             f["repeats_inside_groups"], f["pairs_inside"],
+             f"{100 * f['repeats_inside_groups'] / max(1, f['pairs_inside']):.1f}%",
              f["repeats_across_groups"], f["pairs_across"],
-             f"{100 * f['repeats_across_groups'] / max(1, f['pairs_across']):.1f}%"] for f, n in zip(reps, students)]
+             f"{100 * f['repeats_across_groups'] / max(1, f['pairs_across']):.1f}%"]
+            for f, n in zip(reps, outcome["students"])]
 
 
 def ratios(ev, teacher, ks, key="bleu_test_beam4"):
@@ -526,8 +512,8 @@ def report(ctx, outcome):
     ev = {n: S.result(f"{n}-eval") for n in outcome["students"]}
     tr = {n: trained(S, n) for n in outcome["students"]}
     teacher = S.result("sat-teacher-eval")
-    teacher_tr = trained(S, _teacher_training(outcome)) if outcome["teacher"] else None
-    ks = sorted({int(n.split("-")[1][1:]) for n in outcome["students"]})
+    teacher_tr = trained(S, outcome["teacher_training"]) if outcome["teacher_training"] else None
+    ks = sorted({outcome["student_of"][n][0] for n in outcome["students"]})
     by, best, better = ratios(ev, teacher, ks)
     by_valid, _, _ = ratios(ev, teacher, ks, "bleu_valid_beam4")
     met = {K: best[K] >= TARGET[str(K)] for K in ks if str(K) in TARGET}
@@ -564,7 +550,7 @@ def report(ctx, outcome):
     prow = [[n[10:].replace("-lr", ", lr ").replace("-", ", ", 1), R.fmt(b)]
             for n, b in sorted(outcome["pilots"].items())]
     tables = (_bleu_rows(outcome, ev, tr, teacher, teacher_tr), prow, _speed_rows(speed, ks),
-              _repeat_rows(reps, outcome["students"]))
+              _repeat_rows(reps, outcome))
     md = _markdown(S, a, outcome, verdict, reason, tables, ev, teacher, fig6, prov_line)
     record = {"verdict": verdict, "reason": reason,
               "ratio_to_teacher": {str(K): round(best[K], 4) for K in ks if K > 1},
@@ -574,8 +560,8 @@ def report(ctx, outcome):
                                                    for K in ks},
               "paper_ratio_to_teacher": {k: round(v, 4) for k, v in PAPER["ratio_to_teacher"].items()},
               "paper_speedup_cpu": PAPER["speedup_cpu"], "targets": TARGET,
-              "teacher": {**{k: teacher[k] for k in KEYS}, "round": _teacher_round(outcome),
-                          "self_distillation_round": _teacher_stage(outcome),
+              "teacher": {**{k: teacher[k] for k in KEYS}, "round": outcome["teacher_round"],
+                          "self_distillation_round": outcome["teacher_stage"],
                           "valid_beam4_by_self_distillation_round": outcome.get("teacher_distill_rounds", []),
                           "round_updates": a.sat_teacher_updates, "valid_beam4_by_round": outcome["teacher_rounds"],
                           "still_gaining": gaining},
@@ -588,25 +574,26 @@ def report(ctx, outcome):
     written = R.write(a.docs_dir, "sat", md, record, [os.path.join(S.W, "sat_position_ce.png")])
     if getattr(a, "sat_release", None):
         for K in (K for K in ks if K > 1):
-            release(ctx, K, f"sat-k{K}-{better[K]}", ev, tr, outcome)
+            release(ctx, K, better[K], ev, tr, outcome)
     return written
 
 
-def release(ctx, K, name, ev, tr, outcome):
-    """Packs the student ``name`` (K > 1) into --sat-release as ``sat_transformer_k{K}.pt`` with its manifest entry:
-    how it was trained (the command and the step), its valid / test BLEU (beam 4) and what it cost."""
+def release(ctx, K, recipe, ev, tr, outcome):
+    """Packs K's student of ``recipe`` (K > 1) into --sat-release as ``sat_transformer_k{K}.pt`` with its manifest
+    entry: how it was trained (the command and the step), its valid / test BLEU (beam 4) and what it cost."""
     from fairseq_ext.checkpoints.release import pack
 
     a, S = ctx.args, ctx.S
-    recipe = "the real targets" if name.endswith("-real") else "the teacher's beam-4 translations"
-    other = name.rsplit("-", 1)[0] + ("-kd" if name.endswith("-real") else "-real")
+    student = {(k, r): n for n, (k, r) in outcome["student_of"].items()}
+    name, other = student[K, recipe], student[K, "kd" if recipe == "real" else "real"]
+    targets = "the real targets" if recipe == "real" else "the teacher's beam-4 translations"
     t, e = tr[name], ev[name]
     if not os.path.isfile(t["checkpoint"]):
         raise ClaimsError(f"--sat-release: {name}'s checkpoint {t['checkpoint']} is not here (its result came from "
                           "the store): run --sat-release in the work directory that trained it")
     run_command = R.command(argparse.Namespace(**{**vars(a), "sat_release": None}), "sat")  # how it was trained
     meta = {"arch": "sat_transformer", "name": f"sat_transformer_k{K}", "corpus": "bible", "direction": "de-en",
-            "command": f"{run_command} (its student {name}: K={K} on {recipe}, every weight initialised "
+            "command": f"{run_command} (its student {name}: K={K} on {targets}, every weight initialised "
                        f"from the claims run's teacher ({_teacher_label(outcome)}), {t['updates']} updates; chosen "
                        f"over {other}, {ev[other]['bleu_valid_beam4']:.2f} valid, on valid BLEU (beam 4))",
             "code_commit": f"{S.result(name).get('code_commit', 'unknown')} (the SAT claims run)",
@@ -616,7 +603,7 @@ def release(ctx, K, name, ev, tr, outcome):
             "valid_bleu": round(e["bleu_valid_beam4"], 2), "valid_signature": e["bleu_valid_beam4_signature"],
             "test_bleu": round(e["bleu_test_beam4"], 2), "test_signature": e["bleu_test_beam4_signature"],
             "machine": f"{os.cpu_count()} CPU cores",
-            "summary": f"sat_transformer K={K} trained {t['updates']} updates on {recipe} from the SAT claims run's "
+            "summary": f"sat_transformer K={K} trained {t['updates']} updates on {targets} from the SAT claims run's "
                        f"teacher by the SAT claims run; valid BLEU {e['bleu_valid_beam4']:.2f} (beam 4)"}
     out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,
                   os.path.join(ctx.corpus.bin, "dict.de.txt"), os.path.join(RELEASE_DE_EN, "spm.model"), meta)
@@ -625,6 +612,6 @@ def release(ctx, K, name, ev, tr, outcome):
 
 def _teacher_label(outcome):
     """What made the teacher: "the release", then its rounds on the real targets and of self-distillation."""
-    r, d = _teacher_round(outcome), _teacher_stage(outcome)
+    r, d = outcome["teacher_round"], outcome["teacher_stage"]
     parts = [f"{r} round{'s' * (r != 1)}"] * bool(r) + [f"{d} self-distillation round{'s' * (d != 1)}"] * bool(d)
     return " + ".join(["the release", *parts])

@@ -95,10 +95,10 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
     args, _ = claims.parse_args(["--paper", "sat", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w"), *flags])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
-    students = [f"sat-k{K}-{r}" for K in kd for r in ("kd", "real")]
+    student_of = {f"sat-k{K}-{r}": [K, r] for K in kd for r in ("kd", "real")}
+    students = list(student_of)
     curve = [(500, 5.0), (1000, 4.5), (4000, 4.2), (8000, 4.19 if flat else 4.0)]
-    for n in students:
-        K, recipe = int(n.split("-")[1][1:]), n.split("-")[2]
+    for n, (K, recipe) in student_of.items():
         S.results[n] = {"updates": 8000, "minutes": 10.0, "valid_curve": curve, "seed": "1",
                         "code_commit": "abc" if K < 6 else "def"}
         S.results[f"{n}-eval"] = _bleu((kd if recipe == "kd" else real)[K])
@@ -122,7 +122,9 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
                                                 "real": {"init": "paper", "lr": 0.002}},
                "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
                "teacher": "sat-teacher-r1", "teacher_rounds": [list(r) for r in rounds],
-               "teacher_still_gaining": still_gaining, **(outcome_extra or {})}
+               "teacher_still_gaining": still_gaining, "teacher_round": 1, "teacher_stage": 0,
+               "teacher_training": "sat-teacher-r1", "teacher_k1_stage": None, "student_of": student_of,
+               **(outcome_extra or {})}
     claims_sat.report(ctx, outcome)
     docs = tmp_path / "docs"
     return json.load(open(docs / "claims.json"))["sat"], (docs / "CLAIMS.md").read_text()
@@ -230,7 +232,8 @@ def test_sat_report_names_the_self_distillation_rounds_that_made_the_teacher(tmp
 
     extra = {"teacher": "sat-teacher-d1-transformer", "teacher_real_rounds": "sat-teacher-r1",
              "teacher_distill_rounds": [[1, 27.0], [2, 27.1]], "teacher_k1_round": "sat-teacher-d2",
-             "teacher_distill_still_gaining": False, "kd_data": "sat-kd-beam4-d1"}
+             "teacher_distill_still_gaining": False, "kd_data": "sat-kd-beam4-d1", "teacher_round": 1,
+             "teacher_stage": 1, "teacher_training": "sat-teacher-d1", "teacher_k1_stage": 2}
     rec, md = _sat_report(tmp_path, kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0}, edit=edit, outcome_extra=extra)
     assert rec["teacher"]["round"] == 1 and rec["teacher"]["self_distillation_round"] == 1
     assert rec["teacher"]["valid_beam4_by_self_distillation_round"] == [[1, 27.0], [2, 27.1]]
@@ -243,16 +246,33 @@ def test_sat_report_names_the_self_distillation_rounds_that_made_the_teacher(tmp
     assert "K = 1 student reaches 100% of the teacher's valid BLEU (100% on test), so the pipeline" in rec["reason"]
     # no round on the real targets gained: the release itself was distilled
     args, _ = claims.parse_args(["--paper", "sat", "--workdir", str(tmp_path)])
-    line = claims_sat._teacher_line(args, {**extra, "teacher_real_rounds": None, "teacher_still_gaining": False,
-                                           "teacher_rounds": [[0, 25.0], [1, 24.0]]})
+    line = claims_sat._teacher_line(args, {**extra, "teacher_real_rounds": None, "teacher_round": 0,
+                                           "teacher_still_gaining": False, "teacher_rounds": [[0, 25.0], [1, 24.0]]})
     assert "round 1 gained less, so the starting point was trained on by rounds of self-distillation" in line
-    rows = claims_sat._bleu_rows({**extra, "teacher_real_rounds": None, "students": []}, {}, {}, _bleu(20.0), None)
+    rows = claims_sat._bleu_rows({**extra, "teacher_real_rounds": None, "teacher_round": 0, "students": []}, {}, {},
+                                 _bleu(20.0), None)
     assert rows[0][0] == "Transformer (teacher: the release + 1 self-distillation round)"
-    extra.update(teacher_k1_round=None, teacher_distill_still_gaining=True)
+    extra.update(teacher_k1_round=None, teacher_k1_stage=None, teacher_distill_still_gaining=True)
     rec, md = _sat_report(tmp_path / "gaining", kd={1: 20.0, 2: 19.6}, real={1: 19.0, 2: 19.0}, edit=edit,
                           outcome_extra=extra)
     assert "a longer teacher (--sat-teacher-distill-rounds) would change" in rec["reason"]
     assert "(the last round allowed, --sat-teacher-distill-rounds 3, still gained)" in md
+
+
+def test_sat_report_reads_k_recipe_and_teacher_from_the_outcome_not_the_job_names():
+    """The tables take each student's K and recipe from ``student_of`` and the teacher's rounds from
+    ``teacher_round`` / ``teacher_stage``, whatever the jobs are called."""
+    outcome = {"students": ["odd-kd-name", "other"], "student_of": {"odd-kd-name": [4, "real"], "other": [2, "kd"]},
+               "teacher": "sat-teacher-r1", "teacher_round": 3, "teacher_stage": 0}
+    ev = {n: _bleu(18.0) for n in outcome["students"]}
+    tr = {n: {"updates": 8000, "valid_curve": [(500, 5.0), (8000, 4.0)]} for n in outcome["students"]}
+    rows = claims_sat._bleu_rows(outcome, ev, tr, _bleu(20.0), None)
+    assert rows[0][0] == "Transformer (teacher: the release + 3 rounds)"
+    assert [r[0] for r in rows[1:]] == ["K=4, real targets", "K=2, distilled targets"]
+    assert [r[-1] for r in rows[1:]] == ["-", "99%"]  # the paper's ratio beside the distilled K = 2 only
+    reps = [{"K": K, "repeats_inside_groups": 1, "pairs_inside": 10, "repeats_across_groups": 1, "pairs_across": 10}
+            for K in (4, 2)]
+    assert [r[0] for r in claims_sat._repeat_rows(reps, outcome)] == ["K=4, real targets", "K=2, distilled targets"]
 
 
 def test_sat_release_packs_each_k_students_of_the_better_valid_bleu(tmp_path):
@@ -334,6 +354,7 @@ def test_sat_teacher_rounds_stop_at_the_first_round_that_does_not_gain(tmp_path,
     sat = claims_sat.SAT(type("Ctx", (), {"S": S, "args": args, "corpus": type("C", (), {"bin": "b"})()})())
     got, rounds, got_still = sat.teacher()
     assert (got, got_still) == (teacher, still) and rounds == list(enumerate(bleu[:trained + 1]))
+    assert sat.real_round == {None: 0, "sat-teacher-r1": 1, "sat-teacher-r2": 2}[teacher]
     assert sorted(fake.started_from) == [f"sat-teacher-r{r}" for r in range(1, trained + 1)]
     assert fake.started_from["sat-teacher-r1"] == str(release)
     if trained == 2:
@@ -406,6 +427,7 @@ def test_sat_self_distillation_makes_the_teacher_until_its_k1_student_no_longer_
                                     "sat-k6-kd", "sat-k6-real", "sat-teacher-d1", "sat-teacher-d2"]
     assert S.result("sat-k1-kd")["checkpoint"] == "/ck/sat-teacher-d2.pt"
     assert S.result("sat-k1-kd")["same_as"] == "sat-teacher-d2"
+    assert sat.student_of == {f"sat-k{K}-{r}": (K, r) for K in (1, 2, 4, 6) for r in ("kd", "real")}
     assert fake.trained["sat-k2-kd"] == (d1_as_transformer, "bin-de-en-kd-beam4-d1",
                                          ["sat-kd-beam4-d1", "sat-teacher-d1-transformer"])
     # another learning rate for the distilled recipe: the K=1 student is its own training
@@ -427,6 +449,9 @@ def test_sat_self_distillation_rounds_stop_or_run_out(tmp_path, monkeypatch, ble
     assert (teacher, stage, scores, still) == (want_teacher, *want[1:])
     assert sat.kd_name == (f"sat-kd-beam4-d{stage}" if stage else "sat-kd-beam4")
     assert (sat.k1_round is None) == (still or not rounds)
+    assert sat.k1_stage == (None if still or not rounds else len(scores))
+    assert sat.teacher_training == {"sat-teacher-r1": "sat-teacher-r1",
+                                    "sat-teacher-d2-transformer": "sat-teacher-d2"}[teacher]
 
 
 def test_a_training_whose_settings_changed_does_not_resume_the_old_checkpoints(tmp_path):
