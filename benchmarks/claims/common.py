@@ -6,7 +6,7 @@ import re
 import shutil
 import sys
 
-from .jobs import ROOT, ClaimsError, Job, read_json
+from .jobs import ROOT, ClaimsError, Job, read_json, settings_hash
 
 RELEASE_DE_EN = os.path.join(ROOT, "releases", "bible-de-en")
 USER_DIR = os.path.join(ROOT, "fairseq_ext")
@@ -234,13 +234,15 @@ class Corpus:
 
 def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
     """fairseq-train into WORKDIR/checkpoints/NAME (resumed from its checkpoint_last.pt when a run of the same
-    settings was cut; started afresh when they changed), then the average of its last interval checkpoints
-    (checkpoint_avg.pt). Result: the training summary."""
+    settings was cut, or when only ``--max-update`` grew: the training goes on to the new budget, the same run as
+    one trained to it from the start, since no schedule here reads the budget; started afresh when anything else
+    changed), then the average of its last interval checkpoints (checkpoint_avg.pt). Result: the training
+    summary."""
 
     def run(job, S):
         ck = S.dir("checkpoints", name)
         log = S.log(name, "train.log")
-        _fresh_if_changed(S.job_hash(name), ck, [log, S.log(name, "average.log")])
+        _fresh_if_changed(S.job_hash(name), ck, [log, S.log(name, "average.log")], _shorter_budget_hash(S, job, log))
         cpu = S.fairseq("train", [bin_dir, "--user-dir", USER_DIR, "--save-dir", ck, *argv], log, threads)
         avg = S.worker("average", {"ckpt_dir": ck, "output": os.path.join(ck, "checkpoint_avg.pt")},
                        S.log(name, "average.log"))
@@ -255,10 +257,30 @@ def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
                what=what or f"fairseq-train {name}")
 
 
-def _fresh_if_changed(settings_hash, ck, logs):
+def _shorter_budget_hash(S, job, log):
+    """The hash ``job`` would have with the smaller ``--max-update`` of the last training its log records (None:
+    no such training): the settings of a directory whose training may go on to the new budget."""
+    argv = job.settings["argv"]
+    if "--max-update" not in argv or not os.path.exists(log):
+        return None
+    i = argv.index("--max-update") + 1
+    before = None
+    with open(log, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            words = line.split()
+            if words[:1] == ["$"] and "--max-update" in words[:-1]:
+                before = words[words.index("--max-update") + 1]
+    if before is None or not before.isdigit() or int(before) >= int(argv[i]):
+        return None
+    return settings_hash({"settings": {**job.settings, "argv": [*argv[:i], before, *argv[i + 1:]]},
+                          "deps": [S.job_hash(d) for d in job.deps]})
+
+
+def _fresh_if_changed(settings_hash, ck, logs, extends=None):
     """A training directory keeps the hash of the settings its checkpoints were trained with (``.settings``); when
-    they changed, or a directory has checkpoints and no such file (nothing says which settings made them), its
-    checkpoints and logs are removed so that fairseq does not resume another training."""
+    they changed (but to the settings ``extends`` named, the same training with a larger budget), or a directory
+    has checkpoints and no such file (nothing says which settings made them), its checkpoints and logs are removed
+    so that fairseq does not resume another training."""
     stamp = os.path.join(ck, ".settings")
     try:
         with open(stamp, encoding="utf-8") as f:
@@ -267,12 +289,13 @@ def _fresh_if_changed(settings_hash, ck, logs):
         old = None
     if old == settings_hash:
         return
-    for f in os.listdir(ck):
-        if f.endswith(".pt"):
-            os.remove(os.path.join(ck, f))
-    for f in logs:
-        if os.path.exists(f):
-            os.remove(f)
+    if old is None or old != extends:
+        for f in os.listdir(ck):
+            if f.endswith(".pt"):
+                os.remove(os.path.join(ck, f))
+        for f in logs:
+            if os.path.exists(f):
+                os.remove(f)
     with open(stamp + ".tmp", "w", encoding="utf-8") as f:
         f.write(settings_hash + "\n")
     os.replace(stamp + ".tmp", stamp)

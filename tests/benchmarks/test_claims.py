@@ -491,6 +491,45 @@ def test_a_training_whose_settings_changed_does_not_resume_the_old_checkpoints(t
     assert run("0.2", cut=True).found == []
 
 
+def test_a_training_given_a_larger_budget_goes_on_from_its_checkpoints(tmp_path):
+    """common.train_job: a job re-run with only its --max-update raised keeps its checkpoints and its log (fairseq
+    goes on to the new budget; the curve holds both processes' records); a smaller budget, or a larger one with
+    another change, starts afresh."""
+    from benchmarks.claims import common
+
+    class S(Scheduler):
+        def fairseq(self, tool, argv, log, threads=1):
+            ck = argv[argv.index("--save-dir") + 1]
+            self.found = sorted(f for f in os.listdir(ck) if f.endswith(".pt"))
+            with open(os.path.join(ck, "checkpoint_last.pt"), "w") as f:
+                f.write(" ".join(argv))
+            with open(log, "a") as f:  # as Scheduler.sh logs the command, then fairseq's records
+                f.write("$ python -m fairseq_cli.train " + " ".join(argv) + "\n2026-01-01 00:00:00 | INFO | "
+                        "train_inner | " + json.dumps({"num_updates": "10", "loss": "5", "wps": "100"}) + "\n")
+            return 1.0
+
+        def worker(self, fn, kwargs, log, threads=1):
+            return {"averaged": ["checkpoint_last.pt"]}
+
+    def run(max_update, lr="0.1"):
+        sched = S(str(tmp_path), say=lambda m: None)
+        sched.add(common.train_job("t", sched, "bin", ["--lr", lr, "--max-update", str(max_update)], [], {}))
+        sched.run_all()
+        return sched
+
+    def records(sched):
+        return len(common.json_records(sched.log("t", "train.log"), "train_inner"))
+
+    assert run(100).found == []
+    sched = run(200)
+    assert sched.found == ["checkpoint_last.pt"] and records(sched) == 2  # went on from update 100
+    sched = run(150)
+    assert sched.found == [] and records(sched) == 1  # a smaller budget: afresh
+    sched = run(300, lr="0.2")
+    assert sched.found == [] and records(sched) == 1  # a larger budget and another lr: afresh
+    assert run(400, lr="0.2").found == ["checkpoint_last.pt"]
+
+
 def test_msc_verdict_follows_the_issue_targets():
     def bleu(**kw):  # VARIANTDEPTH=BLEU
         return {(k.rstrip("0123456789"), int(k.lstrip("abcdefghijklmnopqrstuvwxyz"))): v for k, v in kw.items()}
