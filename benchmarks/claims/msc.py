@@ -7,9 +7,10 @@ the 6-layer model (Table 1: IWSLT'14 De-En 6 -> 36 / 54 / 72 layers).
 Here: encoders of 6 and 12 layers (``--msc-depths``, 24 where it fits; 3 decoder layers, so 3 MSC blocks), width
 ``--dim`` (128), for three encoders at each depth: fairseq's post-norm transformer, its pre-norm transformer (the
 paper's baseline: layer norm at each sublayer's input) and MSC. Tuned alike: each encoder's learning rate and
-warm-up chosen by the same pilots at the deepest depth on valid greedy BLEU (a post-norm transformer needs a longer
-warm-up to train at all), then, while an encoder's best pilot is at an edge of the rates it tried, one more x2
-beyond that edge (at most :data:`EXTEND`; the same rule as the other papers' pilots). Then the same batch size
+warm-up chosen at each depth by the same pilots on valid greedy BLEU (a rate chosen at 12 layers need not train
+at 6: the 12-layer post-norm pilots all stayed below 2 BLEU, and the rate they picked left the 6-layer post-norm
+model untrained), then, while a best pilot is at an edge of the rates it tried, one more x2 beyond that edge (at
+most :data:`EXTEND`; the same rule as the other papers' pilots). Then the same batch size
 (tokens), dropout and fixed number of updates for every model (long enough that the curves flatten: the report
 checks it), evaluated on the average of its last 3 checkpoints on the valid set (the learning curves), the test
 set (once), and 1,000 training pairs drawn with a fixed seed (the paper's Figure 2 measures on 3,000 training pairs
@@ -76,28 +77,30 @@ class MSC:
         norm = ["--encoder-normalize-before", "--decoder-normalize-before"] if variant == "pre" else []
         return ["--arch", "transformer", *size_args(a.dim, enc_layers=depth, dec_layers=BLOCKS), *norm, *opt, *common]
 
-    def pilot(self, variant, lr):
-        """A pilot of ``variant`` at the deepest depth at ``lr`` (its warm-up: :func:`warmup_of`); returns its
-        evaluation's job name."""
-        S, deep, warmup = self.S, max(self.depths), warmup_of(lr)
-        name = f"msc-pilot-{variant}{deep}-lr{lr}-w{warmup}"
+    def pilot(self, arm, lr):
+        """A pilot of ``arm`` (variant, depth) at ``lr`` (its warm-up: :func:`warmup_of`); returns its evaluation's
+        job name."""
+        (variant, depth), S, warmup = arm, self.S, warmup_of(lr)
+        name = f"msc-pilot-{variant}{depth}-lr{lr}-w{warmup}"
         if name not in S.jobs:
-            S.add(train_job(name, S, self.corpus.bin, self.argv(variant, deep, lr, warmup, self.a.msc_pilot_updates),
-                            ["data"], {}, what=f"pilot {variant} {deep} layers, lr {lr}, warm-up {warmup}"))
+            S.add(train_job(name, S, self.corpus.bin, self.argv(variant, depth, lr, warmup,
+                                                                self.a.msc_pilot_updates),
+                            ["data"], {}, what=f"pilot {variant} {depth} layers, lr {lr}, warm-up {warmup}"))
             S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
                            [("valid", 1)], [name]))
         return f"{name}-eval"
 
     def pilots(self):
-        """The same (lr, warm-up) grid for every encoder, at the deepest depth, past its edges by
-        :func:`common.lr_pilots`'s rule; valid greedy BLEU chooses."""
-        deep = max(self.depths)
-        best_lr, by = lr_pilots(self.S, {v: [lr for lr, _ in PILOTS] for v in VARIANTS}, EXTEND, self.pilot)
-        chosen = {v: (lr, warmup_of(lr)) for v, lr in best_lr.items()}
-        scored = {f"msc-pilot-{v}{deep}-lr{lr}-w{warmup_of(lr)}": b for (v, lr), b in sorted(by.items())}
+        """The same (lr, warm-up) grid for every encoder at every depth, past its edges by
+        :func:`common.lr_pilots`'s rule; valid greedy BLEU chooses. Returns ({(variant, depth): (lr, warm-up)},
+        {pilot: valid greedy BLEU})."""
+        arms = {(v, d): [lr for lr, _ in PILOTS] for d in sorted(self.depths, reverse=True) for v in VARIANTS}
+        best_lr, by = lr_pilots(self.S, arms, EXTEND, self.pilot)
+        chosen = {arm: (lr, warmup_of(lr)) for arm, lr in best_lr.items()}
+        scored = {f"msc-pilot-{v}{d}-lr{lr}-w{warmup_of(lr)}": b for ((v, d), lr), b in sorted(by.items())}
         self.ctx.say("msc: pilots on valid (greedy BLEU): " + ", ".join(f"{n[10:]} {b:.2f}" for n, b in
                                                                       scored.items())
-                     + " -> " + ", ".join(f"{v} lr {lr} warm-up {w}" for v, (lr, w) in chosen.items()))
+                     + " -> " + ", ".join(f"{v}{d} lr {lr} warm-up {w}" for (v, d), (lr, w) in chosen.items()))
         return chosen, scored
 
     def run(self):
@@ -108,7 +111,7 @@ class MSC:
             for variant in VARIANTS:
                 name = f"msc-{variant}{depth}"
                 kind = "MSC" if variant == "msc" else f"{variant}-norm transformer"
-                lr, warmup = chosen[variant]
+                lr, warmup = chosen[(variant, depth)]
                 S.add(train_job(name, S, self.corpus.bin, self.argv(variant, depth, lr, warmup, self.a.msc_updates),
                                 ["data"], {}, what=f"{kind}, {depth} encoder layers"))
                 S.add(eval_job(f"{name}-eval", S, lambda S, n=name: S.result(n)["checkpoint"], self.corpus,
@@ -132,7 +135,7 @@ class MSC:
             S.add(Job(f"{n}-train-bleu", train_bleu, {"sample": self.a.msc_train_sample}, [n, "data"],
                       what=f"Figure 2: BLEU of {n[4:]} on training pairs and valid"))
         S.run_all([f"{n}-{step}" for n in names for step in ("eval", "train-bleu")])
-        return {"models": names, "chosen": {v: {"lr": lr, "warmup": w} for v, (lr, w) in chosen.items()},
+        return {"models": names, "chosen": {f"{v}{d}": {"lr": lr, "warmup": w} for (v, d), (lr, w) in chosen.items()},
                 "pilots": scored}
 
 
@@ -230,8 +233,8 @@ state let deep encoders train and gain: 6-layer Transformer {PAPER['plain_6']}, 
 pre-norm one (`--encoder-normalize-before --decoder-normalize-before`) and `msc_transformer`; all with adam
 (0.9, 0.98), inverse_sqrt, dropout {a.msc_dropout}, label smoothing 0.1, 1,024 tokens a batch, {a.msc_updates}
 updates (no early stopping), the last 3 interval checkpoints (every 500 updates) averaged, one thread each. Each
-encoder's learning rate and warm-up chosen by the same {len(PILOTS)} pilots of {a.msc_pilot_updates} updates at
-{max(depths)} layers on valid greedy BLEU, then, while an encoder's best pilot is at an edge of the rates it tried,
+encoder's learning rate and warm-up chosen at each depth by the same {len(PILOTS)} pilots of {a.msc_pilot_updates}
+updates on valid greedy BLEU, then, while a best pilot is at an edge of the rates it tried,
 one more x2 beyond that edge (at most {EXTEND}; warm-up {PILOTS[-1][1]} above the grid, {PILOTS[0][1]} below):
 {chosen}. Train BLEU: {a.msc_train_sample} training pairs drawn with a
 fixed seed, beam 4 (the paper's Figure 2, `python -m fairseq_ext.msc.degradation --checkpoints`). {prov_line}

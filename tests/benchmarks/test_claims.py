@@ -755,12 +755,14 @@ def test_sat_pilots_pick_init_and_lr_per_recipe_past_grid_edges():
     assert chosen == {"kd": ("decoder", 0.008), "real": ("decoder", 0.002)} and len(scored) == 5 + 3
 
 
-def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup():
-    """Every encoder gets the grid's four (lr, warm-up) pilots; one whose best is the highest rate gets pilots at x2
-    (warm-up 500) while that stays best, at most two; a best inside the grid ends its pilots."""
+def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup_at_every_depth():
+    """Every encoder at every depth gets the grid's four (lr, warm-up) pilots; one whose best is the highest rate gets
+    pilots at x2 (warm-up 500) while that stays best, at most two, one whose best is the lowest at /2 (warm-up
+    1000); a best inside the grid ends its pilots. Each depth keeps its own choice."""
     import argparse
 
-    best = {"post": 0.012, "pre": 0.0015, "msc": 0.006}  # post: past twice; pre: inside; msc: past once
+    best = {("post", 12): 0.012, ("pre", 12): 0.0015, ("msc", 12): 0.006,  # past twice; inside; past once
+            ("post", 6): 0.00025, ("pre", 6): 0.001, ("msc", 6): 0.003}  # below once; inside; the top edge holds
 
     class S:
         results, jobs = {}, {}
@@ -768,9 +770,9 @@ def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup():
         @classmethod
         def run_all(cls, names):
             for n in names:
-                variant, lr = n[len("msc-pilot-"):].split("-lr")
-                v, lr = variant.rstrip("0123456789"), float(lr.split("-w")[0])
-                cls.results[n] = {"bleu_valid_greedy": 20.0 - abs(lr - best[v]) * 1000}
+                arm, lr = n[len("msc-pilot-"):].split("-lr")
+                v, d, lr = arm.rstrip("0123456789"), int(arm.lstrip("postremc")), float(lr.split("-w")[0])
+                cls.results[n] = {"bleu_valid_greedy": 20.0 - abs(lr - best[(v, d)]) * 1000}
 
         @classmethod
         def result(cls, n):
@@ -780,13 +782,15 @@ def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup():
     msc.S, msc.depths = S, [6, 12]
     msc.a = argparse.Namespace(msc_pilot_updates=2000)
     msc.ctx = type("Ctx", (), {"say": lambda self, m: None})()
-    msc.pilot = lambda v, lr: f"msc-pilot-{v}12-lr{lr}-w{claims_msc.warmup_of(lr)}-eval"
+    msc.pilot = lambda arm, lr: f"msc-pilot-{arm[0]}{arm[1]}-lr{lr}-w{claims_msc.warmup_of(lr)}-eval"
     chosen, scored = msc.pilots()
-    assert chosen == {"post": (0.012, 500), "pre": (0.0015, 500), "msc": (0.006, 500)}
-    tried = {v: sorted(float(n.split("-lr")[1].split("-w")[0]) for n in scored if n.startswith(f"msc-pilot-{v}12"))
-             for v in best}
-    assert tried == {"post": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012], "pre": [0.0005, 0.001, 0.0015, 0.003],
-                     "msc": [0.0005, 0.001, 0.0015, 0.003, 0.006, 0.012]}
+    assert chosen == {("post", 12): (0.012, 500), ("pre", 12): (0.0015, 500), ("msc", 12): (0.006, 500),
+                      ("post", 6): (0.00025, 1000), ("pre", 6): (0.001, 1000), ("msc", 6): (0.003, 500)}
+    grid = [0.0005, 0.001, 0.0015, 0.003]
+    tried = {arm: sorted(float(n.split("-lr")[1].split("-w")[0]) for n in scored
+                         if n.startswith(f"msc-pilot-{arm[0]}{arm[1]}-")) for arm in best}
+    assert tried == {("post", 12): grid + [0.006, 0.012], ("pre", 12): grid, ("msc", 12): grid + [0.006, 0.012],
+                     ("post", 6): [0.000125, 0.00025] + grid, ("pre", 6): grid, ("msc", 6): grid + [0.006]}
     assert "msc-pilot-pre12-lr0.0005-w1000" in scored and claims_msc.warmup_of(0.00025) == 1000
     # a pilot reaches every peak rate it scores: each warm-up ends by half the pilot
     assert all(w <= 2000 // 2 for _, w in claims_msc.PILOTS)
