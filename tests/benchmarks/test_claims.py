@@ -796,6 +796,34 @@ def test_msc_pilots_go_past_the_grid_edge_with_the_edges_warmup_at_every_depth()
     assert all(w <= 2000 // 2 for _, w in claims_msc.PILOTS)
 
 
+def test_msc_models_train_at_their_own_depths_choice(tmp_path):
+    """MSC.run: each (encoder, depth) model trains at the rate and warm-up its own depth's pilots chose, all at the
+    same budget, and the outcome names each choice by encoder and depth."""
+    import argparse
+
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    S.run_all = lambda names=None: None
+    a = argparse.Namespace(dim=128, smoke=False, msc_depths="6,12", msc_updates=12000, msc_pilot_updates=2000,
+                           msc_dropout=0.1, msc_train_sample=1000)
+    ctx = type("Ctx", (), {"S": S, "args": a, "corpus": type("C", (), {"bin": "bin"})()})()
+    msc = claims_msc.MSC(ctx)
+    chosen = {(v, d): (lr, w) for (v, lr, w) in (("post", 0.0005, 1000), ("pre", 0.0015, 500), ("msc", 0.003, 500))
+              for d in (6, 12)}
+    chosen[("post", 12)] = (0.003, 500)
+    msc.pilots = lambda: (chosen, {})
+    outcome = msc.run()
+
+    def arg(name, flag):
+        argv = S.jobs[name].settings["argv"]
+        return argv[argv.index(flag) + 1]
+
+    assert (arg("msc-post6", "--lr"), arg("msc-post6", "--warmup-updates")) == ("0.0005", "1000")
+    assert (arg("msc-post12", "--lr"), arg("msc-post12", "--warmup-updates")) == ("0.003", "500")
+    assert {arg(f"msc-{v}{d}", "--max-update") for v in claims_msc.VARIANTS for d in (6, 12)} == {"12000"}
+    assert outcome["chosen"]["post6"] == {"lr": 0.0005, "warmup": 1000}
+    assert outcome["chosen"]["post12"] == {"lr": 0.003, "warmup": 500}
+
+
 def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
     import argparse
 
