@@ -454,28 +454,32 @@ def test_sat_self_distillation_rounds_stop_or_run_out(tmp_path, monkeypatch, ble
                                     "sat-teacher-d2-transformer": "sat-teacher-d2"}[teacher]
 
 
+class _FakeTraining(Scheduler):
+    """A scheduler whose fairseq-train writes checkpoint_last.pt and logs its command and one record, as
+    Scheduler.sh and fairseq do; ``found``: the checkpoints the training found in its directory."""
+
+    def fairseq(self, tool, argv, log, threads=1):
+        ck = argv[argv.index("--save-dir") + 1]
+        self.found = sorted(f for f in os.listdir(ck) if f.endswith(".pt"))
+        with open(os.path.join(ck, "checkpoint_last.pt"), "w") as f:
+            f.write(" ".join(argv))
+        with open(log, "a") as f:
+            f.write("$ python -m fairseq_cli.train " + " ".join(argv) + "\n2026-01-01 00:00:00 | INFO | "
+                    "train_inner | " + json.dumps({"num_updates": "10", "loss": "5", "wps": "100"}) + "\n")
+        return 1.0
+
+    def worker(self, fn, kwargs, log, threads=1):
+        return {"averaged": ["checkpoint_last.pt"]}
+
+
 def test_a_training_whose_settings_changed_does_not_resume_the_old_checkpoints(tmp_path):
     """common.train_job: fairseq resumes checkpoint_last.pt of its save dir, so a job re-run with new settings (a new
     teacher, a new lr) must not find the checkpoints of the old ones; a run of the same settings that was cut
     resumes."""
     from benchmarks.claims import common
 
-    class S(Scheduler):
-        def fairseq(self, tool, argv, log, threads=1):
-            ck = argv[argv.index("--save-dir") + 1]
-            self.found = sorted(f for f in os.listdir(ck) if f.endswith(".pt"))
-            with open(os.path.join(ck, "checkpoint_last.pt"), "w") as f:
-                f.write(" ".join(argv))
-            with open(log, "a") as f:
-                f.write("2026-01-01 00:00:00 | INFO | train_inner | "
-                        + json.dumps({"num_updates": "10", "loss": "5", "wps": "100"}) + "\n")
-            return 1.0
-
-        def worker(self, fn, kwargs, log, threads=1):
-            return {"averaged": ["checkpoint_last.pt"]}
-
     def run(lr, cut=False):
-        sched = S(str(tmp_path), say=lambda m: None)
+        sched = _FakeTraining(str(tmp_path), say=lambda m: None)
         sched.add(common.train_job("t", sched, "bin", ["--lr", lr], [], {}))
         if cut:  # a run cut before its result: only the directory and the log are there
             os.remove(sched.result_path("t"))
@@ -497,22 +501,8 @@ def test_a_training_given_a_larger_budget_goes_on_from_its_checkpoints(tmp_path)
     another change, starts afresh."""
     from benchmarks.claims import common
 
-    class S(Scheduler):
-        def fairseq(self, tool, argv, log, threads=1):
-            ck = argv[argv.index("--save-dir") + 1]
-            self.found = sorted(f for f in os.listdir(ck) if f.endswith(".pt"))
-            with open(os.path.join(ck, "checkpoint_last.pt"), "w") as f:
-                f.write(" ".join(argv))
-            with open(log, "a") as f:  # as Scheduler.sh logs the command, then fairseq's records
-                f.write("$ python -m fairseq_cli.train " + " ".join(argv) + "\n2026-01-01 00:00:00 | INFO | "
-                        "train_inner | " + json.dumps({"num_updates": "10", "loss": "5", "wps": "100"}) + "\n")
-            return 1.0
-
-        def worker(self, fn, kwargs, log, threads=1):
-            return {"averaged": ["checkpoint_last.pt"]}
-
     def run(max_update, lr="0.1"):
-        sched = S(str(tmp_path), say=lambda m: None)
+        sched = _FakeTraining(str(tmp_path), say=lambda m: None)
         sched.add(common.train_job("t", sched, "bin", ["--lr", lr, "--max-update", str(max_update)], [], {}))
         sched.run_all()
         return sched
