@@ -7,8 +7,9 @@ Each paper runs the experiment its claim needs (a control of equal depth, equal 
 benchmarks/claims/PAPER.py for the design), sized to fit about two hours on two CPU cores; the sizes are flags
 (``--dim``, the per-paper ``--*-max-update`` and friends), so the same command runs larger on a GPU. Every step is a
 job whose result is kept with a hash of its settings in WORKDIR/PAPER/results: a re-run skips what is done and
-re-runs what changed; each result is also kept in benchmarks/claims/store/PAPER (``--store``), which a run long
-enough to need several machine sessions commits between them. ``--jobs 2`` trains two models side by side, one
+re-runs what changed; each result is also kept in benchmarks/claims/store/PAPER (``--store``), with the
+checkpoints a later step reads (``Job.keep``), which a run long enough to need several machine sessions commits
+between them. ``--jobs 2`` trains two models side by side, one
 thread each (the default on a 2-core machine); timings run alone. Hyper-parameters are chosen on the valid set; the
 test set is decoded once per model, after training.
 

@@ -318,9 +318,10 @@ def eval_job(name, S, ckpt_of, corpus, decodes, deps, task=None, settings=None, 
 
 def trained(S, name):
     """A training job's result with its summary read again from its log (so that a resumed training counts the
-    minutes of every process that trained it)."""
-    log = S.log(name, "train.log")
-    return {**S.result(name), **(train_summary(log) if os.path.exists(log) else {})}
+    minutes of every process that trained it); as recorded when the training ran again only to make its files
+    (its log is of that run)."""
+    log, res = S.log(name, "train.log"), S.result(name)
+    return {**res, **(train_summary(log) if os.path.exists(log) and "remade" not in res else {})}
 
 
 def result_or_none(path):

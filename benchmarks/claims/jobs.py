@@ -15,12 +15,17 @@ each result is also written there, and a step whose result is in the store with 
 the work directory is new: a run too long for one machine session goes on in the next one from the results that
 were committed. The files of a step (a corpus, a checkpoint, hypotheses) are not kept there: a step still to run
 that depends on a finished step whose result came from the store, or whose files named in its result are gone, runs
-that step again first (and, the same way, what it depends on), so that a re-run makes the files it reads.
+that step again first (and, the same way, what it depends on), so that a re-run makes the files it reads. Such a
+re-run keeps the step's recorded result (what later steps already used) and adds what it made under ``remade``.
+A step can name checkpoints to keep (``Job.keep``: keys of its result): those are copied into the store
+(``STORE/files``, without the optimizer's state) when the step ends, and put back in a later session instead of
+training again, so that a step reading them (a timing, a release) can run sessions after the training.
 """
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -87,6 +92,28 @@ def code_commit() -> str:
     return _COMMIT
 
 
+def rebase(obj, old: Optional[str], new: str):
+    """``obj`` with every path under the work directory ``old`` under ``new`` instead (a result from the store,
+    recorded in another work directory, names the files its step makes here)."""
+    if not old or old == new:
+        return obj
+    if isinstance(obj, str):
+        return new + obj[len(old):] if obj == old or obj.startswith(old + os.sep) else obj
+    if isinstance(obj, dict):
+        return {k: rebase(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [rebase(v, old, new) for v in obj]
+    return obj
+
+
+def file_sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def settings_hash(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -100,6 +127,7 @@ class Job:
     threads: int = 1
     exclusive: bool = False  # runs alone (a timing)
     what: str = ""  # a few words for the progress line
+    keep: List[str] = field(default_factory=list)  # keys of its result naming checkpoints the store keeps
 
 
 class Scheduler:
@@ -109,6 +137,7 @@ class Scheduler:
         self.W = os.path.abspath(workdir)
         self.store = os.path.abspath(store) if store else None
         self.from_store: set = set()  # steps whose result came from the store: their files are not here
+        self.remaking: Dict[str, dict] = {}  # steps run again to make their files: their recorded results
         self.max_jobs = jobs
         self.say = say
         self.jobs: Dict[str, Job] = {}
@@ -128,6 +157,60 @@ class Scheduler:
 
     def stored_path(self, name):
         return os.path.join(self.store, f"{name}.json")
+
+    def kept_path(self, name, key):
+        return os.path.join(self.store, "files", f"{name}.{key}.pt")
+
+    def keep(self, name):
+        """Copies the checkpoints that the result of ``name`` names under its job's ``keep`` keys into the store
+        (:func:`work.keep`: without the optimizer's state) and records each copy's sha256 in the stored result."""
+        job, res = self.jobs[name], self.results[name]
+        kept = dict(res.get("kept") or {})
+        for key in job.keep if self.store else ():
+            path = res.get(key)
+            if key in kept or not isinstance(path, str) or not os.path.isfile(path):
+                continue
+            out = self.kept_path(name, key)
+            got = self.worker("keep", {"ckpt": path, "output": out}, self.log(name, "keep.log"))
+            kept[key] = {"file": os.path.relpath(out, self.store), "sha256": got["sha256"]}
+            self.say(f"kept   {name}'s {key} in the store: {os.path.relpath(out, ROOT)} "
+                     f"({got['bytes'] / 2 ** 20:.1f} MiB)")
+        if kept != (res.get("kept") or {}):
+            res = {**res, "kept": kept}
+            write_json(self.result_path(name), res)
+            write_json(self.stored_path(name), res)
+            with self.lock:
+                self.results[name] = res
+
+    def restore(self, name) -> bool:
+        """Puts the checkpoints the store keeps for ``name`` back where its result names them (when their sha256
+        is the recorded one); True when every file its job keeps is then here."""
+        job, res = self.jobs[name], self.results[name]
+        kept = res.get("kept") or {}
+        if not job.keep or any(key not in kept for key in job.keep):
+            return False
+        for key in job.keep:
+            dest, src = res.get(key), os.path.join(self.store or "", kept[key]["file"])
+            if not isinstance(dest, str) or not dest.startswith(self.W + os.sep):
+                return False
+            if os.path.isfile(dest):
+                continue
+            if not os.path.isfile(src) or file_sha256(src) != kept[key]["sha256"]:
+                self.say(f"warning: {src}, kept for {name}, is missing or not the file kept: {name} runs again")
+                return False
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            shutil.copyfile(src, dest + ".tmp")
+            os.replace(dest + ".tmp", dest)
+            self.say(f"restored {name}'s {key} from the store")
+        return True
+
+    def has_files(self, name) -> bool:
+        """Whether the files later steps read of the finished step ``name`` are here (put back from the store
+        where it keeps them)."""
+        job, res = self.jobs[name], self.results[name]
+        if job.keep:
+            return all(isinstance(res.get(k), str) and os.path.isfile(res[k]) for k in job.keep) or self.restore(name)
+        return name not in self.from_store and not self.missing_files(res)
 
     def log(self, name, what="log"):
         os.makedirs(os.path.join(self.W, "logs"), exist_ok=True)
@@ -157,7 +240,7 @@ class Scheduler:
             if old and old.get("settings_hash") == self.job_hash(name) and old.get("ok"):
                 if path != paths[0]:
                     self.from_store.add(name)
-                return old
+                return rebase(old, old.get("workdir"), self.W)
         return None
 
     def missing_files(self, result) -> List[str]:
@@ -192,9 +275,8 @@ class Scheduler:
         again, stack = [], list(pending)
         while stack:
             for d in self.jobs[stack.pop()].deps:
-                if d in self.results and d not in pending and (d in self.from_store
-                                                               or self.missing_files(self.results[d])):
-                    del self.results[d]
+                if d in self.results and d not in pending and not self.has_files(d):
+                    self.remaking[d] = self.results.pop(d)
                     pending.append(d)
                     again.append(d)
                     stack.append(d)
@@ -271,14 +353,25 @@ class Scheduler:
             self.say(f"FAILED {job.name}: {type(e).__name__}: {e}")
             return
         res = {"ok": True, "settings_hash": self.job_hash(job.name), "minutes": (time.time() - t0) / 60,
-               "threads": job.threads, "code_commit": code_commit(), **res}
+               "threads": job.threads, "code_commit": code_commit(), "workdir": self.W, **res}
+        old = self.remaking.pop(job.name, None)
+        if old is not None:  # later steps used the recorded result: it stands, with what this run made beside it
+            files = {k: v for k, v in res.items() if isinstance(v, str) and v.startswith(self.W + os.sep)}
+            res = {**{k: v for k, v in old.items() if k != "kept"}, **files,
+                   "remade": {k: v for k, v in res.items() if k not in ("ok", "settings_hash")}}
         write_json(self.result_path(job.name), res)
         if self.store:
             write_json(self.stored_path(job.name), res)
         with self.lock:
             self.results[job.name] = res
-        self.say(f"done   {job.name} in {(time.time() - t0) / 60:.1f} min" + (f": {res['summary']}"
-                                                                            if res.get("summary") else ""))
+        summary = (res.get("remade") or res).get("summary")
+        self.say(f"done   {job.name} in {(time.time() - t0) / 60:.1f} min" + (f": {summary}" if summary else "")
+                 + (" (made again: its recorded result stands)" if old is not None else ""))
+        if job.keep:
+            try:
+                self.keep(job.name)
+            except ClaimsError as e:  # the result stands; a later session trains it again to read its files
+                self.say(f"warning: {job.name}'s files were not kept in the store: {e}")
 
     # -- child processes --------------------------------------------------------------------------------
     def env(self, threads: int) -> dict:

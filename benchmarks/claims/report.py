@@ -17,8 +17,9 @@ size that fits (the sizes are flags of the same command, for a larger machine). 
 valid set; the test set is decoded once per model after training. Every BLEU is sacreBLEU on detokenised text
 (signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict. A run longer than
 a machine session goes on in the next one from the finished steps' results, committed in
-`benchmarks/claims/store/PAPER` (the same command skips them); a larger budget (`--msc-updates`, ...) continues
-each finished training from its checkpoints in the work directory.
+`benchmarks/claims/store/PAPER` (the same command skips them), with the checkpoints that a later step reads
+(the SAT teacher and distilled students, for the timing and the release; without optimizer state); a larger budget
+(`--msc-updates`, ...) continues each finished training from its checkpoints in the work directory.
 
 One table of verdict words for all four papers:
 

@@ -5,7 +5,8 @@
 ``evaluate`` (sacreBLEU of a checkpoint on valid / test, greedy and beam 4, hypotheses kept), ``average`` (the
 last interval checkpoints of a training), ``position_ce`` (the SAT paper's Figure 6), ``speed`` (batch-1 decoding
 latency of several models, interleaved in one process), ``group_repeats`` (repeated subwords inside and across
-SAT groups), ``as_transformer`` (a K = 1 SAT checkpoint as the fairseq transformer it computes).
+SAT groups), ``as_transformer`` (a K = 1 SAT checkpoint as the fairseq transformer it computes), ``keep`` (a
+checkpoint without its optimizer state, for the store).
 """
 
 import glob
@@ -220,7 +221,23 @@ def as_transformer(ckpt, output):
     return {"checkpoint": output, "from": ckpt}
 
 
-FUNCTIONS = {f.__name__: f for f in (evaluate, average, position_ce, speed, group_repeats, as_transformer)}
+def keep(ckpt, output):
+    """``ckpt`` without the optimizer's state (two thirds of an Adam checkpoint, read by no step that loads a
+    finished training: decoding, initialising from it, averaging, packing) at ``output``; the same weights,
+    settings and training state otherwise. Returns the copy's sha256."""
+    import torch
+
+    from fairseq_ext import checkpoints
+    from fairseq_ext.checkpoints.release import sha256
+
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    state["last_optimizer_state"] = None
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+    checkpoints.atomic_torch_save(state, output)
+    return {"sha256": sha256(output), "bytes": os.path.getsize(output)}
+
+
+FUNCTIONS = {f.__name__: f for f in (evaluate, average, position_ce, speed, group_repeats, as_transformer, keep)}
 
 
 def main(argv):

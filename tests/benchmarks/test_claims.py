@@ -117,7 +117,8 @@ def _sat_report(tmp_path, kd, real, teacher=20.0, flat=True, rounds=((0, 25.0), 
     if edit:
         edit(S)
     ctx = type("Ctx", (), {"S": S, "args": args, "say": lambda self, m: None,
-                           "corpus": type("C", (), {"bin": str(tmp_path / "w" / "bin")})})()
+                           "corpus": type("C", (), {"bin": str(tmp_path / "w" / "bin"),
+                                                    "refs": staticmethod(lambda lang: {"valid": "v", "test": "t"})})})()
     outcome = {"students": students, "chosen": {"kd": {"init": "decoder", "lr": 0.001},
                                                 "real": {"init": "paper", "lr": 0.002}},
                "pilots": {"sat-pilot-kd-decoder-lr0.001": 9.0, "sat-pilot-real-paper-lr0.002": 8.0},
@@ -315,6 +316,24 @@ def test_sat_release_packs_each_k_students_of_the_better_valid_bleu(tmp_path):
         _sat_report(tmp_path / "again", kd={1: 20.0, 2: 19.0}, real={1: 19.0, 2: 19.5}, edit=gone,
                     flags=["--sat-release", str(rel)])
     assert read_manifest(str(rel))["models"]["sat_transformer_k2"] == k2
+    evaluated = []
+
+    def remade(S):  # trained again for its file (the run's was not kept): the release scores that file itself
+        edit(S)
+        S.results["sat-k2-real"]["remade"] = {"updates": 8000, "minutes": 11.0, "code_commit": "fed"}
+        S.results["sat-k2-kd"]["remade"] = {"updates": 8000}
+        S.worker = lambda fn, kw, log, threads=1: evaluated.append((fn, kw["ckpt"], kw["decodes"])) or {
+            **_bleu(18.7), "bleu_valid_beam4": 18.9}
+
+    (tmp_path / "remade" / "w" / "bin").mkdir(parents=True)
+    shutil.copyfile(os.path.join(src, "dict.txt"), tmp_path / "remade" / "w" / "bin" / "dict.de.txt")
+    _, md = _sat_report(tmp_path / "remade", kd={1: 20.0, 2: 19.0}, real={1: 19.0, 2: 19.5}, edit=remade,
+                        flags=["--sat-release", str(rel)])
+    assert "The timing read sat-k2-kd trained again with the run's settings" in md  # the timing says so too
+    k2 = read_manifest(str(rel))["models"]["sat_transformer_k2"]
+    assert evaluated == [("evaluate", student, [("valid", 4), ("test", 4)])]
+    assert k2["test_bleu"] == 18.7 and k2["valid_bleu"] == 18.9 and k2["code_commit"].startswith("fed")
+    assert "this file trained again with the same settings, the run's scoring 19.50 valid" in k2["command"]
 
 
 class _FakeRounds:
@@ -430,6 +449,17 @@ def test_sat_self_distillation_makes_the_teacher_until_its_k1_student_no_longer_
     assert sat.student_of == {f"sat-k{K}-{r}": (K, r) for K in (1, 2, 4, 6) for r in ("kd", "real")}
     assert fake.trained["sat-k2-kd"] == (d1_as_transformer, "bin-de-en-kd-beam4-d1",
                                          ["sat-kd-beam4-d1", "sat-teacher-d1-transformer"])
+    # what the timing and the release read, sessions later, is kept in the store: the teacher and the distilled
+    # students (the K=1 one is round 2)
+    assert sorted(n for n, j in S.jobs.items() if j.keep) == ["sat-k2-kd", "sat-k4-kd", "sat-k6-kd",
+                                                             "sat-teacher-d1-transformer", "sat-teacher-d2"]
+    # the teacher's scores are those of round 1, which computes what its export does: no second evaluation
+    sat.teacher_path_of = lambda S: d1_as_transformer
+    sat.analysis_jobs(students)
+    assert S.jobs["sat-teacher-eval"].deps == ["sat-teacher-d1-eval"]
+    S.run_all(["sat-teacher-eval"])
+    assert S.result("sat-teacher-eval")["bleu_valid_beam4"] == 27.0
+    assert S.result("sat-teacher-eval")["same_as"] == "sat-teacher-d1-eval"
     # another learning rate for the distilled recipe: the K=1 student is its own training
     fake, S, sat, _ = _distilling(tmp_path / "lr", monkeypatch, {1: 27.0, 2: 27.2}, rounds=3)
     sat.teacher_path, sat.teacher_deps = S.result("sat-teacher-d1-transformer")["checkpoint"], [
@@ -452,6 +482,11 @@ def test_sat_self_distillation_rounds_stop_or_run_out(tmp_path, monkeypatch, ble
     assert sat.k1_stage == (None if still or not rounds else len(scores))
     assert sat.teacher_training == {"sat-teacher-r1": "sat-teacher-r1",
                                     "sat-teacher-d2-transformer": "sat-teacher-d2"}[teacher]
+    # the teacher evaluated as itself when no self-distillation round made it
+    sat.teacher_path_of, sat.teacher_deps = sat.path_of(teacher), [teacher]
+    sat.teacher_path = sat.teacher_path_of(S)
+    sat.analysis_jobs(sat.students({"kd": ("decoder", 0.003), "real": ("decoder", 0.003)}))
+    assert S.jobs["sat-teacher-eval"].deps == (["data", teacher] if not stage else [f"sat-teacher-d{stage}-eval"])
 
 
 class _FakeTraining(Scheduler):
@@ -940,3 +975,58 @@ def test_a_new_work_directory_takes_results_from_the_store_and_remakes_only_the_
     jobs(S, ran)
     S.run_all()
     assert ran == ["corpus", "a", "b", "c"]
+
+
+def test_a_kept_checkpoint_comes_back_in_a_new_work_directory_and_a_step_made_again_keeps_its_result(tmp_path):
+    """A step that keeps its checkpoint (Job.keep) copies it into the store without the optimizer's state; a new
+    work directory puts it back instead of training again; where the kept copy is gone or altered, the step runs
+    again to make its file, and its recorded result (what later steps used) stands, the new run's under
+    ``remade``."""
+    import torch
+
+    store = str(tmp_path / "store")
+    trained = []
+
+    def jobs(S, ran, readers=("r",)):
+        def train(job, S):
+            trained.append(len(trained))
+            path = os.path.join(S.dir("checkpoints", "t"), "checkpoint_avg.pt")
+            torch.save({"model": {"w": torch.full((3,), float(len(trained)))},
+                        "last_optimizer_state": {"exp_avg": torch.ones(1000)}}, path)
+            return {"checkpoint": path, "loss": float(len(trained)), "summary": f"run {len(trained)}"}
+
+        def read(job, S):
+            ran.append(job.name)
+            return {"w": torch.load(S.result("t")["checkpoint"], weights_only=False)["model"]["w"].tolist()}
+
+        S.add(Job("t", train, {"x": 1}, keep=["checkpoint"]))
+        for name in readers:
+            S.add(Job(name, read, {"x": 1}, ["t"]))
+
+    ran = []
+    S = Scheduler(str(tmp_path / "w1"), say=lambda m: None, store=store)
+    jobs(S, ran)
+    S.run_all()
+    kept = os.path.join(store, "files", "t.checkpoint.pt")
+    state = torch.load(kept, weights_only=False)
+    assert state["last_optimizer_state"] is None and state["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert json.load(open(os.path.join(store, "t.json")))["kept"]["checkpoint"]["file"] == "files/t.checkpoint.pt"
+    said = []
+    S = Scheduler(str(tmp_path / "w2"), say=said.append, store=store)  # a new machine: the file comes back
+    jobs(S, ran, readers=("r", "r2"))
+    S.run_all()
+    assert trained == [0] and ran == ["r", "r2"] and S.result("r2")["w"] == [1.0, 1.0, 1.0]
+    assert os.path.isfile(tmp_path / "w2" / "checkpoints" / "t" / "checkpoint_avg.pt")
+    assert any("restored t's checkpoint" in m for m in said)
+    torch.save({"model": {"w": torch.zeros(3)}}, kept)  # not the file kept: the step runs again
+    said.clear()
+    S = Scheduler(str(tmp_path / "w3"), say=said.append, store=store)
+    jobs(S, ran, readers=("r", "r3"))
+    S.run_all()
+    t = S.result("t")
+    assert trained == [0, 1] and S.result("r3")["w"] == [2.0, 2.0, 2.0]
+    assert t["loss"] == 1.0 and t["summary"] == "run 1" and t["remade"]["loss"] == 2.0
+    assert t["checkpoint"].startswith(str(tmp_path / "w3"))
+    assert any("not the file kept" in m for m in said) and any("made again" in m for m in said)
+    assert torch.load(kept, weights_only=False)["model"]["w"].tolist() == [2.0, 2.0, 2.0]  # the new file kept
+    assert json.load(open(os.path.join(store, "t.json")))["remade"]["summary"] == "run 2"
