@@ -223,8 +223,9 @@ def as_transformer(ckpt, output):
 
 def keep(ckpt, output):
     """``ckpt`` without the optimizer's state (two thirds of an Adam checkpoint, read by no step that loads a
-    finished training: decoding, initialising from it, averaging, packing) at ``output``; the same weights,
-    settings and training state otherwise. Returns the copy's sha256."""
+    finished training: decoding, initialising from it, averaging, packing) at ``output``, its equal weights saved
+    once (averaging unties the shared embeddings); the same weights, settings and training state otherwise.
+    Returns the copy's sha256 and size."""
     import torch
 
     from fairseq_ext import checkpoints
@@ -232,6 +233,13 @@ def keep(ckpt, output):
 
     state = torch.load(ckpt, map_location="cpu", weights_only=False)
     state["last_optimizer_state"] = None
+    seen = {}
+    for k, v in state["model"].items():
+        same = [u for u in seen.setdefault((v.dtype, tuple(v.shape)), []) if torch.equal(u, v)]
+        if same:
+            state["model"][k] = same[0]
+        else:
+            seen[(v.dtype, tuple(v.shape))].append(v)
     os.makedirs(os.path.dirname(output), exist_ok=True)
     checkpoints.atomic_torch_save(state, output)
     return {"sha256": sha256(output), "bytes": os.path.getsize(output)}

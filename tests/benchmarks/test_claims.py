@@ -991,7 +991,8 @@ def test_a_kept_checkpoint_comes_back_in_a_new_work_directory_and_a_step_made_ag
         def train(job, S):
             trained.append(len(trained))
             path = os.path.join(S.dir("checkpoints", "t"), "checkpoint_avg.pt")
-            torch.save({"model": {"w": torch.full((3,), float(len(trained)))},
+            embed = torch.arange(6.0)  # averaging unties the shared embeddings: equal tensors, saved once
+            torch.save({"model": {"w": torch.full((3,), float(len(trained))), "embed": embed, "out": embed.clone()},
                         "last_optimizer_state": {"exp_avg": torch.ones(1000)}}, path)
             return {"checkpoint": path, "loss": float(len(trained)), "summary": f"run {len(trained)}"}
 
@@ -1010,6 +1011,8 @@ def test_a_kept_checkpoint_comes_back_in_a_new_work_directory_and_a_step_made_ag
     kept = os.path.join(store, "files", "t.checkpoint.pt")
     state = torch.load(kept, weights_only=False)
     assert state["last_optimizer_state"] is None and state["model"]["w"].tolist() == [1.0, 1.0, 1.0]
+    assert state["model"]["out"].tolist() == list(range(6)) and state["model"]["out"].untyped_storage().data_ptr() \
+        == state["model"]["embed"].untyped_storage().data_ptr()
     assert json.load(open(os.path.join(store, "t.json")))["kept"]["checkpoint"]["file"] == "files/t.checkpoint.pt"
     said = []
     S = Scheduler(str(tmp_path / "w2"), say=said.append, store=store)  # a new machine: the file comes back
