@@ -128,6 +128,7 @@ class Job:
     exclusive: bool = False  # runs alone (a timing)
     what: str = ""  # a few words for the progress line
     keep: List[str] = field(default_factory=list)  # keys of its result naming checkpoints the store keeps
+    reads_files: bool = True  # False: it reads only its deps' results (their files need not be here)
 
 
 class Scheduler:
@@ -274,7 +275,8 @@ class Scheduler:
         # where a step to run depends on it
         again, stack = [], list(pending)
         while stack:
-            for d in self.jobs[stack.pop()].deps:
+            job = self.jobs[stack.pop()]
+            for d in job.deps if job.reads_files else ():
                 if d in self.results and d not in pending and not self.has_files(d):
                     self.remaking[d] = self.results.pop(d)
                     pending.append(d)

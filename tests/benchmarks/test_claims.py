@@ -1033,3 +1033,26 @@ def test_a_kept_checkpoint_comes_back_in_a_new_work_directory_and_a_step_made_ag
     assert any("not the file kept" in m for m in said) and any("made again" in m for m in said)
     assert torch.load(kept, weights_only=False)["model"]["w"].tolist() == [2.0, 2.0, 2.0]  # the new file kept
     assert json.load(open(os.path.join(store, "t.json")))["remade"]["summary"] == "run 2"
+
+
+def test_a_step_that_reads_only_results_does_not_make_its_deps_files_again(tmp_path):
+    """In a new work directory, a new step that reads only its dep's result (``reads_files=False``: the SAT
+    teacher's scores copied from its round's evaluation) runs without training the dep again."""
+    store, ran = str(tmp_path / "store"), []
+
+    def jobs(S, extra):
+        S.add(Job("a", lambda job, S: ran.append("a") or {"file": os.path.join(S.dir("f"), "a.pt"), "v": 1}, {}))
+        if extra:
+            S.add(Job("copy", lambda job, S: ran.append("copy") or {"v": S.result("a")["v"]}, {}, ["a"],
+                      reads_files=False))
+            S.add(Job("read", lambda job, S: ran.append("read") or {}, {}, ["a"]))
+
+    S = Scheduler(str(tmp_path / "w1"), say=lambda m: None, store=store)
+    jobs(S, False)
+    S.run_all()
+    S = Scheduler(str(tmp_path / "w2"), say=lambda m: None, store=store)
+    jobs(S, True)
+    S.run_all(["copy"])
+    assert ran == ["a", "copy"] and S.result("copy")["v"] == 1
+    S.run_all(["read"])  # a step that reads the file: the dep runs again first
+    assert ran == ["a", "copy", "a", "read"]
