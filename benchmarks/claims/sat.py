@@ -288,7 +288,7 @@ class SAT:
             # the teacher is a self-distillation round as the transformer it computes: that round's scores
             r = f"{self.teacher_training}-eval"
             S.add(Job("sat-teacher-eval", lambda job, S: {k: v for k, v in S.result(r).items() if k not in (
-                "ok", "settings_hash", "minutes", "threads", "code_commit")} | {"same_as": r},
+                "ok", "settings_hash", "minutes", "threads", "code_commit", "workdir", "remade")} | {"same_as": r},
                 {"same_as": r}, [r], what=f"the teacher's scores: those of {r}", reads_files=False))
         else:
             S.add(eval_job("sat-teacher-eval", S, self.teacher_path_of, self.corpus,
