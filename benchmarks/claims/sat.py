@@ -587,7 +587,12 @@ def report(ctx, outcome):
               "speed_ms": {f"{lab} beam {b}": ms for (lab, b), ms in speed.items()},
               "chosen": outcome["chosen"], "pilots_valid_greedy": outcome["pilots"],
               "command": R.command(a, "sat"), **prov}
-    written = R.write(a.docs_dir, "sat", md, record, [os.path.join(S.W, "sat_position_ce.png")])
+    png = os.path.join(S.W, "sat_position_ce.png")
+    if not os.path.isfile(png):  # Figure 6's step ran in another work directory: drawn again from its result
+        from fairseq_ext.sat.position_ce import plot
+
+        plot([(m["K"], m["label"], m["ce"], m["counts"], m["by_position_in_group"]) for m in fig6], "valid", png)
+    written = R.write(a.docs_dir, "sat", md, record, [png])
     if getattr(a, "sat_release", None):
         for K in (K for K in ks if K > 1):
             release(ctx, K, better[K], ev, tr, outcome)

@@ -92,6 +92,29 @@ def position_ce(path, data, split, source_lang=None, target_lang=None, max_token
 
 
 @command
+def plot(results, split, png):
+    """Writes the position-wise cross-entropy of ``results`` ([(K, label, ce, counts, by group position)], as
+    :func:`main` returns) to ``png``: one line per model over the positions it has tokens at."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(int(sum(1 for c in r[3] if c > 0)) for r in results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for K, label, ce, counts, _ in results:
+        xs = [t + 1 for t in range(n) if counts[t] > 0]
+        ax.plot(xs, [ce[t - 1] for t in xs], marker="o", markersize=3, label=label)
+    ax.set_xlabel("position")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(f"position-wise cross-entropy ({split})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.label and len(args.label) != len(args.path):
@@ -115,22 +138,7 @@ def main(argv=None):
         print(f"by position in group ({label}): " + "  ".join(f"{k + 1}:{v:.4f}" for k, v in enumerate(gce)))
 
     if args.png:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for K, label, ce, counts, _ in results:
-            xs = [t + 1 for t in range(n) if counts[t] > 0]
-            ax.plot(xs, [ce[t - 1] for t in xs], marker="o", markersize=3, label=label)
-        ax.set_xlabel("position")
-        ax.set_ylabel("cross-entropy (nats)")
-        ax.set_title(f"position-wise cross-entropy ({args.split})")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
+        plot(results, args.split, args.png)
         print(f"wrote {args.png}")
     return results
 

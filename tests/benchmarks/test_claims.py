@@ -1057,3 +1057,17 @@ def test_a_step_that_reads_only_results_does_not_make_its_deps_files_again(tmp_p
     assert ran == ["a", "copy"] and S.result("copy")["v"] == 1
     S.run_all(["read"])  # a step that reads the file: the dep runs again first
     assert ran == ["a", "copy", "a", "read"]
+
+
+def test_sat_report_draws_figure_6_from_its_result_when_the_step_ran_elsewhere(tmp_path):
+    """Figure 6's step came from the store (its PNG is in another work directory): the report draws it again from
+    the cross-entropies its result holds, instead of failing on the missing file."""
+    def elsewhere(S):
+        os.remove(os.path.join(S.W, "sat_position_ce.png"))
+        S.results["sat-fig6"] = {"models": [{"K": K, "label": f"SAT K={K}", "ce": [2.0, 2.5, 3.0], "counts": [9, 9, 0],
+                                             "by_position_in_group": [2.0, 3.0][:K]} for K in (1, 2)]}
+
+    _sat_report(tmp_path, kd={1: 20.0, 2: 19.0}, real={1: 19.0, 2: 19.5}, edit=elsewhere)
+    png = tmp_path / "docs" / "claims_sat_position_ce.png"
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 5000
