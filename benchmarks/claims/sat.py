@@ -281,7 +281,7 @@ class SAT:
                                       "sentences": 10 if self.smoke else 100, "repeat": 1 if self.smoke else 3},
                             S.log("sat-speed"), threads=1)
 
-        S.add(Job("sat-speed", speed, {"sentences": 100, "repeat": 3},
+        S.add(Job("sat-speed", speed, {"sentences": 100, "repeat": 3, "compiled": "waited for"},
                   [f"sat-k{K}-kd" for K in self.ks] + ["data", *self.teacher_deps],
                   exclusive=True, what="batch-1 latency, one thread, interleaved (runs alone)"))
         if self.teacher_training and self.teacher_training != self.teacher_deps[0]:
