@@ -13,9 +13,10 @@ many times over). A job marked ``exclusive`` (timings) runs alone.
 With a ``store`` (``python -m benchmarks.claims`` keeps one per paper in the repository, ``benchmarks/claims/store``),
 each result is also written there, and a step whose result is in the store with the same hash is skipped even when
 the work directory is new: a run too long for one machine session goes on in the next one from the results that
-were committed. The files of a step (a corpus, a checkpoint, hypotheses) are not kept there: a step still to run
-that depends on a finished step whose result came from the store, or whose files named in its result are gone, runs
-that step again first (and, the same way, what it depends on), so that a re-run makes the files it reads. Such a
+were committed. The files of a step (a corpus, a checkpoint, hypotheses) are not kept there, except the
+checkpoints it names to keep (below): a step still to run that depends on a finished step whose result came from
+the store, or whose files named in its result are gone, runs that step again first (and, the same way, what it
+depends on), so that a re-run makes the files it reads. Such a
 re-run keeps the step's recorded result (what later steps already used) and adds what it made under ``remade``.
 A step can name checkpoints to keep (``Job.keep``: keys of its result): those are copied into the store
 (``STORE/files``, without the optimizer's state) when the step ends, and put back in a later session instead of
