@@ -91,7 +91,6 @@ def position_ce(path, data, split, source_lang=None, target_lang=None, max_token
     return K, label, ce, counts.tolist(), gce
 
 
-@command
 def plot(results, split, png):
     """Writes the position-wise cross-entropy of ``results`` ([(K, label, ce, counts, by group position)], as
     :func:`main` returns) to ``png``: one line per model over the positions it has tokens at."""
@@ -115,6 +114,7 @@ def plot(results, split, png):
     plt.close(fig)
 
 
+@command
 def main(argv=None):
     args = parse_args(argv)
     if args.label and len(args.label) != len(args.path):

@@ -969,3 +969,12 @@ def test_recipe_dry_run(recipe, tmp_path):
     evals = cmds[11:]
     assert sum("--beam 4 " in c for c in evals) == 8 and sum("--beam 1 " in c for c in evals) == 8
     assert sum("--batch-size 1 " in c for c in evals) == 8
+
+
+def test_position_wise_cross_entropy_command_refuses_labels_that_do_not_match_paths(capsys):
+    """A --label per --path: a mismatch is one line naming the flag and exit status 1, not a traceback."""
+    from fairseq_ext.sat import position_ce
+
+    assert position_ce.main(["data", "--path", "a.pt", "--path", "b.pt", "--label", "only one"]) == 1
+    err = capsys.readouterr().err
+    assert "--label must be given once per --path" in err and "Traceback" not in err
