@@ -107,14 +107,6 @@ def rebase(obj, old: Optional[str], new: str):
     return obj
 
 
-def file_sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def settings_hash(obj) -> str:
     return hashlib.sha1(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -187,6 +179,8 @@ class Scheduler:
     def restore(self, name) -> bool:
         """Puts the checkpoints the store keeps for ``name`` back where its result names them (when their sha256
         is the recorded one); True when every file its job keeps is then here."""
+        from fairseq_ext.checkpoints.release import sha256
+
         job, res = self.jobs[name], self.results[name]
         kept = res.get("kept") or {}
         if not job.keep or any(key not in kept for key in job.keep):
@@ -197,7 +191,7 @@ class Scheduler:
                 return False
             if os.path.isfile(dest):
                 continue
-            if not os.path.isfile(src) or file_sha256(src) != kept[key]["sha256"]:
+            if not os.path.isfile(src) or sha256(src) != kept[key]["sha256"]:
                 self.say(f"warning: {src}, kept for {name}, is missing or not the file kept: {name} runs again")
                 return False
             os.makedirs(os.path.dirname(dest), exist_ok=True)

@@ -234,9 +234,8 @@ class SAT:
                     # the teacher's last self-distillation round is this very training: the same result
                     r = self.k1_round[0]
                     self.S.jobs[r].keep = ["checkpoint"]  # read by the timing as the K=1 student
-                    self.S.add(Job(name, lambda job, S, r=r: {k: v for k, v in S.result(r).items() if k not in (
-                        "ok", "settings_hash", "minutes", "threads", "code_commit")} | {"same_as": r},
-                        {"same_as": r}, [r], what=f"K=1, distilled targets: the same training as {r}"))
+                    self.S.add(Job(name, lambda job, S, r=r: _same_as(S, r), {"same_as": r}, [r],
+                                   what=f"K=1, distilled targets: the same training as {r}"))
                 else:
                     job = self.S.add(train_job(name, self.S, bin_dir, argv, [dep, *self.teacher_deps], {},
                                                what=f"K={K}, {'distilled' if recipe == 'kd' else 'real'} targets, "
@@ -287,9 +286,8 @@ class SAT:
         if self.teacher_training and self.teacher_training != self.teacher_deps[0]:
             # the teacher is a self-distillation round as the transformer it computes: that round's scores
             r = f"{self.teacher_training}-eval"
-            S.add(Job("sat-teacher-eval", lambda job, S: {k: v for k, v in S.result(r).items() if k not in (
-                "ok", "settings_hash", "minutes", "threads", "code_commit", "workdir", "remade")} | {"same_as": r},
-                {"same_as": r}, [r], what=f"the teacher's scores: those of {r}", reads_files=False))
+            S.add(Job("sat-teacher-eval", lambda job, S: _same_as(S, r, ("workdir", "remade")), {"same_as": r}, [r],
+                      what=f"the teacher's scores: those of {r}", reads_files=False))
         else:
             S.add(eval_job("sat-teacher-eval", S, self.teacher_path_of, self.corpus,
                            [("valid", 1), ("valid", 4), ("test", 1), ("test", 4)], ["data", *self.teacher_deps]))
@@ -614,9 +612,9 @@ def release(ctx, K, recipe, ev, tr, outcome):
                           "the store): run --sat-release in the work directory that trained it")
     remade = "remade" in S.result(name)
     if remade:  # trained again with the same settings (the run's file was not kept): its own scores
-        e = S.worker("evaluate", {"ckpt": t["checkpoint"], "bin_dir": ctx.corpus.bin, "src": "de", "tgt": "en",
-                                  "refs": ctx.corpus.refs("en"), "decodes": [("valid", 4), ("test", 4)],
-                                  "out_dir": S.dir("hyps", f"{name}-remade")}, S.log(f"{name}-remade-eval"))
+        job = eval_job(f"{name}-remade-eval", S, lambda S: t["checkpoint"], ctx.corpus, [("valid", 4), ("test", 4)],
+                       [name])
+        e = job.run(job, S)
         t = {**t, **S.result(name)["remade"]}
     run_command = R.command(argparse.Namespace(**{**vars(a), "sat_release": None}), "sat")  # how it was trained
     meta = {"arch": "sat_transformer", "name": f"sat_transformer_k{K}", "corpus": "bible", "direction": "de-en",
@@ -637,6 +635,13 @@ def release(ctx, K, recipe, ev, tr, outcome):
     out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,
                   os.path.join(ctx.corpus.bin, "dict.de.txt"), os.path.join(RELEASE_DE_EN, "spm.model"), meta)
     ctx.say(f"sat: {name} packed as {out} (test BLEU {e['bleu_test_beam4']:.2f}, beam 4)")
+
+
+def _same_as(S, r, drop=()):
+    """The result of step ``r`` as another step's (a K = 1 student that is the teacher's last round, the teacher's
+    scores), without what describes ``r``'s own run and the keys of ``drop``."""
+    return {k: v for k, v in S.result(r).items()
+            if k not in ("ok", "settings_hash", "minutes", "threads", "code_commit", *drop)} | {"same_as": r}
 
 
 def _teacher_label(outcome):
