@@ -18,8 +18,9 @@ DEMO = {  # examples/quickstart.sh's demo sentences and words their translation 
 # the MSC release (17.4 test BLEU, the weakest) translates "der König sandte Boten" as "the messengers sent
 # messengers" (after the quickstart's 400 more updates: "The king sent messengers to the city")
 DEMO_MSC = [("sent messengers", "city", "people"), ("afraid", "Lord", "with you")]
-# the SAT K=4 release (13.9 test BLEU) drops a word inside a group: "Don'tt be, for the Lord is with you."
-DEMO_SAT_K4 = [("king", "sent", "city", "people"), ("Don't", "Lord", "with you")]
+# the SAT K=6 release (13.2 test BLEU) repeats a word inside a group where the verb should be: "The king messengers
+# messengers into the city, and the people people."
+DEMO_SAT_K6 = [("king", "messengers", "city", "people"), ("afraid", "Lord", "with you")]
 
 
 def create_dummy_data(data_dir, num_examples=100, maxlen=20, seed=0, splits=("train", "valid", "test")):

@@ -22,6 +22,7 @@ recipe by valid BLEU (beam 4), read on the test set; both are reported.
 
 import argparse
 import os
+import platform
 
 from . import report as R
 from .common import (PRE_NORM, RELEASE_DE_EN, USER_DIR, adam_args, curve_cell, eval_job, fixed_budget_args,
@@ -629,7 +630,7 @@ def release(ctx, K, recipe, ev, tr, outcome):
             "cpu_seconds": round(60 * t["cpu_minutes"]) if t.get("cpu_minutes") is not None else None,
             "valid_bleu": round(e["bleu_valid_beam4"], 2), "valid_signature": e["bleu_valid_beam4_signature"],
             "test_bleu": round(e["bleu_test_beam4"], 2), "test_signature": e["bleu_test_beam4_signature"],
-            "machine": f"{os.cpu_count()} CPU cores",
+            "machine": f"{os.cpu_count()} CPU cores, {platform.machine()}",
             "summary": f"sat_transformer K={K} trained {t['updates']} updates on {targets} from the SAT claims run's "
                        f"teacher by the SAT claims run; valid BLEU {e['bleu_valid_beam4']:.2f} (beam 4)"}
     out, _ = pack(t["checkpoint"], f"sat_transformer_k{K}", a.sat_release,

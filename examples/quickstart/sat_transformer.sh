@@ -6,9 +6,9 @@
 #      initialised from the teacher: every weight, the decoder layers included (--sat-init-from with
 #      --sat-init-decoder), at a peak lr of $SAT_LR.
 #   then the quickstart's averaging, generation (--task translation_sat) and interactive steps.
-# Step 3's recipe is the distilled one the claims run's pilots chose (docs/CLAIMS.md, SAT pilots: init decoder,
-# lr 0.004, beam-4 distillation); the release students K=4 and K=6 were trained with it at the previous pilots'
-# lr 0.002 (tools/train_release.py; SAT_LR=0.002), K=2 is the claims run's own student.
+# Step 3's recipe is the distilled one of the claims run (docs/CLAIMS.md, SAT: init decoder, beam-4 distillation);
+# that run's pilots chose lr 0.008 for 6,000 updates from its stronger teacher; this short run keeps 0.004 (SAT_LR). The release
+# students K=2/4/6 are that run's distilled students (docs/sat_transformer.md, "Release and quickstart").
 # Total time is about twice the transformer's plus the distillation decode. Environment: SAT_K (default 2),
 # SAT_KD_BEAM (default 4; 1 = greedy, faster to translate the 29k Bible verses), SAT_LR (the
 # student's peak lr, default 0.004), SAT_BEAM (beam of the final evaluation, default 4; 1 = greedy, the

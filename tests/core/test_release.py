@@ -12,7 +12,7 @@ import torch
 
 from fairseq_ext.checkpoints import load_checkpoint_file
 from fairseq_ext.checkpoints.release import ReleaseError, pack, read_manifest, release_state, verify
-from tests.helpers import DEMO, DEMO_MSC, DEMO_SAT_K4, ROOT, run_module
+from tests.helpers import DEMO, DEMO_MSC, DEMO_SAT_K6, ROOT, run_module
 
 RELEASES = os.path.join(ROOT, "releases")
 
@@ -178,7 +178,7 @@ def test_the_shipped_de_en_releases_translate_the_demo_sentences(name, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = [line.split("\t")[2] for line in proc.stdout.splitlines() if line.startswith("D-")]
     assert len(outs) == len(DEMO)
-    expected = {"msc_transformer": DEMO_MSC, "sat_transformer_k4": DEMO_SAT_K4}.get(name, DEMO.values())
+    expected = {"msc_transformer": DEMO_MSC, "sat_transformer_k6": DEMO_SAT_K6}.get(name, DEMO.values())
     for out, words in zip(outs, expected):
         for w in words:
             assert w in out, (w, out)
