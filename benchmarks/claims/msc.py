@@ -170,18 +170,33 @@ def verdict(bleu, depths):
     return v, f"{said}({numbers})."
 
 
+def untrained_controls(valid, depths):
+    """The sentence naming the depths where the post-norm control did not train ("" where it did everywhere): its
+    valid BLEU (beam 4) below half the pre-norm model's at the same depth. ``valid``: {(variant, depth): BLEU}. The
+    targets compare MSC with the pre-norm model (the paper's baseline), so this does not change the verdict; it
+    says which comparisons with post-norm mean nothing."""
+    failed = [d for d in depths if valid[("post", d)] < 0.5 * valid[("pre", d)]]
+    if not failed:
+        return ""
+    scores = ", ".join(f"{valid[('post', d)]:.2f} against {valid[('pre', d)]:.2f} at {d}" for d in failed)
+    return (f"The post-norm control did not train at {' / '.join(map(str, failed))} layers, with its learning rate "
+            f"and warm-up chosen by the same pilots (valid BLEU, beam 4, post-norm against pre-norm: {scores}); "
+            f"the verdict rests on the pre-norm baseline.")
+
+
 def report(ctx, outcome):
     """docs/CLAIMS.md's MSC section and claims.json's ``msc``."""
     S, a = ctx.S, ctx.args
     names = outcome["models"]
     depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
     deg = {(r["variant"], r["depth"]): r for r in (S.result(f"{n}-train-bleu") for n in names)}
-    rows, bleu, record_models, curves = [], {}, {}, []
+    rows, bleu, valid, record_models, curves = [], {}, {}, {}, []
     for n in names:
         variant = n[4:].rstrip("0123456789")
         depth = int(n[4 + len(variant):])
         tr, ev = trained(S, n), S.result(f"{n}-eval")
         bleu[(variant, depth)] = ev["bleu_test_beam4"]
+        valid[(variant, depth)] = ev["bleu_valid_beam4"]
         d = deg.get((variant, depth), {})
         curves.append((n[4:], tr))
         rows.append([{"post": "post-norm transformer", "pre": "pre-norm transformer", "msc": "MSC"}[variant], depth,
@@ -194,6 +209,9 @@ def report(ctx, outcome):
                                 "valid_loss_gain_last_20pct": flattened(tr.get("valid_curve", []))[0],
                                 "minutes": round(tr.get("train_minutes") or tr["minutes"], 1)}
     v, reason = verdict(bleu, depths)
+    control = untrained_controls(valid, depths)
+    if control:
+        reason += " " + control
     falling = still_falling(curves)
     if falling:
         reason += " " + falling

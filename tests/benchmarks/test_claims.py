@@ -569,6 +569,17 @@ def test_msc_verdict_follows_the_issue_targets():
     assert v == "not reproduced" and "msc -1.50" in reason
 
 
+def test_msc_names_a_post_norm_control_that_did_not_train():
+    valid = {("post", 6): 4.9, ("pre", 6): 10.0, ("msc", 6): 11.0, ("post", 12): 1.7, ("pre", 12): 9.0,
+             ("msc", 12): 12.0}
+    said = claims_msc.untrained_controls(valid, [6, 12])
+    assert "did not train at 6 / 12 layers" in said and "4.90 against 10.00 at 6" in said
+    valid[("post", 6)] = 5.0  # half the pre-norm model's: trained (at 12 it still did not)
+    assert "did not train at 12 layers" in claims_msc.untrained_controls(valid, [6, 12])
+    valid[("post", 12)] = 8.0
+    assert claims_msc.untrained_controls(valid, [6, 12]) == ""
+
+
 def test_convs2s_verdict_needs_every_control_beaten():
     assert claims_convs2s.verdict(20.0, 18.0, 19.0, (19.5, 17.0), speedup=6.0)[0] == "reproduced"
     v, reason = claims_convs2s.verdict(20.0, 18.0, 20.5, (19.5, 17.0), speedup=3.0)
