@@ -135,9 +135,11 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batc
     interleaved, the fastest pass kept. The task's generator decodes (fairseq's SequenceGenerator for
     --task translation, with the package's default generator turned off; ours for --task translation_sat)."""
     from argparse import Namespace
+    from types import SimpleNamespace
 
     import torch
 
+    from benchmarks.speed.decode import compiled_searches
     from fairseq_ext.inference.default_generator import OFF
 
     torch.set_num_threads(1)
@@ -151,9 +153,10 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batc
         with mock.patch.dict(os.environ, stock):
             gens = {b: task_obj.build_generator([model], Namespace(beam=b, lenpen=1.0, **GEN_BOUND)) for b in beams}
         loaded.append((m, model, task_obj, ds, gens))
-        if m["task"] != "translation":
-            _compiled(m["label"], model, lambda: [task_obj.inference_step(g, [model], ds.collater([ds[0]]))
-                                                  for g in gens.values()])
+        if m["task"] != "translation":  # timed on its compiled step and search graphs, not while they compile
+            compiled_searches(SimpleNamespace(name=m["label"], model=model, decode=lambda sample, beam, _, t=task_obj,
+                                              g=gens, mod=model: t.inference_step(g[beam], [mod], sample)),
+                              ds.collater([ds[0]]))
     n = min(sentences, len(loaded[0][3]))
     best = {}
     for r in range(repeat):
@@ -172,22 +175,6 @@ def speed(models, bin_dir, src, tgt, sentences=100, repeat=3, beams=(1, 4), batc
     return {"sentences": n, "repeat": repeat,
             "ms": [{"label": label, "beam": b, "batch": batch, "ms": round(ms, 2)}
                    for (label, b, batch), ms in best.items()]}
-
-
-def _compiled(label, model, decode_once):
-    """Waits for ``model``'s static step and search graphs compiled ahead of time (a background process on the
-    first run, the disk cache after: ``fairseq_ext/inference/aot_step.py``), started by ``decode_once``, so that
-    no model is timed on the traced step or beside another's compile."""
-    import torch
-
-    from benchmarks.speed.decode import compiled_step
-    from fairseq_ext.sat import search_graph
-
-    step = compiled_step(label, model)
-    if step is not None:
-        with torch.no_grad():
-            decode_once()
-        search_graph.wait(step)
 
 
 def group_repeats(spm_files, Ks):
