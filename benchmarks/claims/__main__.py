@@ -1,7 +1,7 @@
 """Test each paper's own claim with the control it needs, on the bundled Bible corpus (German -> English).
 
     python -m benchmarks.claims --paper sat|msc|bert_jam|convs2s [--workdir work/claims] [--jobs 2]
-                                [--threads 2] [--dim 128] [--smoke] [--docs-dir docs]
+                                [--threads 2] [--dim 128] [--smoke] [--docs-dir docs] [--start-within MINUTES]
 
 Each paper runs the experiment its claim needs (a control of equal depth, equal updates, equal data; see
 benchmarks/claims/PAPER.py for the design), sized to fit about two hours on two CPU cores; the sizes are flags
@@ -9,7 +9,8 @@ benchmarks/claims/PAPER.py for the design), sized to fit about two hours on two 
 job whose result is kept with a hash of its settings in WORKDIR/PAPER/results: a re-run skips what is done and
 re-runs what changed; each result is also kept in benchmarks/claims/store/PAPER (``--store``), with the
 checkpoints a later step reads (``Job.keep``), which a run long enough to need several machine sessions commits
-between them. ``--jobs 2`` trains two models side by side, one
+between them; ``--start-within MINUTES`` starts no training after a run's first MINUTES, so that a session ends
+with every training it started finished, evaluated and stored. ``--jobs 2`` trains two models side by side, one
 thread each (the default on a 2-core machine); timings run alone. Hyper-parameters are chosen on the valid set; the
 test set is decoded once per model, after training.
 
@@ -27,7 +28,7 @@ import sys
 import time
 
 from .common import Corpus
-from .jobs import ROOT, ClaimsError, Scheduler
+from .jobs import ROOT, ClaimsError, ClaimsPaused, Scheduler
 
 PROG = "python -m benchmarks.claims"
 CLASSES = {"sat": "SAT", "msc": "MSC", "bert_jam": "BertJam", "convs2s": "ConvS2S"}  # --paper: its module's class
@@ -40,6 +41,8 @@ class Context:
         self.t0 = time.time()
         store = None if args.smoke or args.no_store else os.path.join(args.store, args.paper)
         self.S = Scheduler(os.path.join(args.workdir, args.paper), args.jobs, self.say, store)
+        if args.start_within is not None:
+            self.S.start_by = self.t0 + 60 * args.start_within
         self.corpus = Corpus(self.S, smoke=args.smoke)
         self.S.add(self.corpus.job())
 
@@ -61,6 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--jobs", type=int, default=2, help="trainings side by side (default 2: one per core)")
     p.add_argument("--threads", type=int, default=2, help="threads of a step that runs alone (default 2)")
     p.add_argument("--dim", type=int, default=128, help="model width (default 128, the release's)")
+    p.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
+                   help="start trainings only in the first MINUTES of this run: the running ones finish and are "
+                        "evaluated, then it stops with exit status 3 and the same command goes on (for a machine "
+                        "that is only lent for a while)")
     p.add_argument("--smoke", action="store_true", help="a slice of the corpus and a few updates: every step, fast")
     known, _ = p.parse_known_args(argv)
     module = importlib.import_module(f"benchmarks.claims.{known.paper}") if known.paper in PAPERS else None
@@ -84,6 +91,9 @@ def main(argv=None):
         outcome = cls(ctx).run()
         if hasattr(module, "report"):
             module.report(ctx, outcome)
+    except ClaimsPaused as e:
+        ctx.say(f"paused: {e}")
+        return 3
     except ClaimsError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2

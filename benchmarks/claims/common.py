@@ -254,7 +254,7 @@ def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):
                 f"{summ['valid_loss_best']}"}
 
     return Job(name, run, {"argv": argv, "bin": os.path.basename(bin_dir), **settings}, deps, threads,
-               what=what or f"fairseq-train {name}")
+               what=what or f"fairseq-train {name}", training=True)
 
 
 def _shorter_budget_hash(S, job, log):

@@ -43,6 +43,11 @@ class ClaimsError(Exception):
     """A one-line error for the user (a failed step names its log)."""
 
 
+class ClaimsPaused(ClaimsError):
+    """No training started past the run's start window (``--start-within``) and nothing else could run: what
+    finished is kept, the same command goes on."""
+
+
 def read_json(path, default=None):
     try:
         with open(path, encoding="utf-8") as f:
@@ -122,6 +127,7 @@ class Job:
     what: str = ""  # a few words for the progress line
     keep: List[str] = field(default_factory=list)  # keys of its result naming checkpoints the store keeps
     reads_files: bool = True  # False: it reads only its deps' results (their files need not be here)
+    training: bool = False  # none starts after the run's start window (``Scheduler.start_by``)
 
 
 class Scheduler:
@@ -138,6 +144,7 @@ class Scheduler:
         self.results: Dict[str, dict] = {}
         self.hashes: Dict[str, str] = {}
         self.lock = threading.Lock()
+        self.start_by: Optional[float] = None  # time.time() after which no training starts (``--start-within``)
 
     def add(self, job: Job) -> Job:
         if job.name in self.jobs:
@@ -300,8 +307,11 @@ class Scheduler:
                 time.sleep(POLL)
                 continue
             started = False
+            closed = self.start_by is not None and time.time() > self.start_by
             for n in list(pending):
                 job = self.jobs[n]
+                if closed and job.training:
+                    continue
                 if any(d not in self.results for d in job.deps):
                     continue
                 if running and (job.exclusive or any(self.jobs[r].exclusive for r in running)):
@@ -316,6 +326,10 @@ class Scheduler:
                 if job.exclusive:
                     break
             if not started:
+                if not running and pending and closed:
+                    raise ClaimsPaused(f"{len(pending)} steps left when the start window closed ("
+                                       f"{', '.join(pending[:3])}{', ...' if len(pending) > 3 else ''}); run the "
+                                       f"same command again to go on")
                 if not running and pending:
                     stuck = ", ".join(pending[:3])
                     raise ClaimsError(f"steps {stuck} wait for steps that did not run")

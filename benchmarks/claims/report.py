@@ -20,6 +20,8 @@ a machine session goes on in the next one from the finished steps' results, comm
 `benchmarks/claims/store/PAPER` (the same command skips them), with the checkpoints that a later step reads
 (the SAT teacher and distilled students, for the timing and the release; without optimizer state); a larger budget
 (`--msc-updates`, ...) continues each finished training from its checkpoints in the work directory.
+`--start-within MINUTES` starts no training after a run's first MINUTES: the ones running finish and are evaluated,
+so that a session ends with what it started stored, and the same command goes on.
 
 One table of verdict words for all four papers:
 
@@ -137,7 +139,7 @@ def command(args, paper):
     """The command that produced a section: the non-default flags of this run (paths left out)."""
     words = ["python", "-m", "benchmarks.claims", "--paper", paper]
     for k, v in sorted(vars(args).items()):
-        if k in ("paper", "workdir", "docs_dir") or v is None:
+        if k in ("paper", "workdir", "docs_dir", "start_within") or v is None:
             continue
         default = args.defaults.get(k) if hasattr(args, "defaults") else None
         if v == default or k == "defaults":

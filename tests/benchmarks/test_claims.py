@@ -17,11 +17,11 @@ from tests.benchmarks.claims_fakes import bleu_result
 
 def test_report_replaces_one_papers_section_and_keeps_the_others(tmp_path):
     d = str(tmp_path)
-    claims_report.write(d, "sat", "## SAT\nfirst", {"verdict": "not reproduced", "reason": "r1"})
+    claims_report.write(d, "sat", "## SAT\nold-section", {"verdict": "not reproduced", "reason": "r1"})
     claims_report.write(d, "msc", "## MSC\nonly", {"verdict": "reproduced", "reason": "r2"})
     claims_report.write(d, "sat", "## SAT\nsecond", {"verdict": "reproduced", "reason": "r3"})
     md = open(os.path.join(d, "CLAIMS.md")).read()
-    assert md.startswith("# The papers' claims") and "first" not in md and md.count("## SAT\nsecond") == 1
+    assert md.startswith("# The papers' claims") and "old-section" not in md and md.count("## SAT\nsecond") == 1
     assert md.index("## SAT") < md.index("## MSC") and "## MSC\nonly" in md
     rec = json.load(open(os.path.join(d, "claims.json")))
     assert (rec["sat"]["verdict"], rec["sat"]["reason"], rec["msc"]["verdict"]) == ("reproduced", "r3", "reproduced")

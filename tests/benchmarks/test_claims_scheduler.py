@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from benchmarks.claims import __main__ as claims
 from benchmarks.claims import report as claims_report
 from benchmarks.claims.common import train_summary, update_walls
 from benchmarks.claims.jobs import ClaimsError, Job, Scheduler
@@ -55,6 +56,48 @@ def test_a_failed_step_is_one_line_naming_its_log_and_keeps_what_finished(tmp_pa
     S2.add(Job("x", lambda j, S: {}, {}, ["missing"]))
     with pytest.raises(ClaimsError, match="no step named missing"):
         S2.run_all()
+
+
+def test_no_training_starts_after_the_start_window_and_the_same_run_goes_on(tmp_path):
+    """--start-within: the training running when the window closes finishes and its evaluation still runs; no
+    training starts after it; the run stops with what is left, and the same command afterwards runs only the rest."""
+    import time
+
+    from benchmarks.claims.jobs import ClaimsPaused
+
+    def slow(job, S):
+        time.sleep(0.3)
+        ran.append(job.name)
+        return {}
+
+    def add(S):
+        for n in ("a", "b", "c"):
+            S.add(Job(n, slow, {}, training=True))
+            S.add(Job(f"{n}-eval", lambda j, S: ran.append(j.name) or {}, {}, [n]))
+
+    ran = []
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    add(S)
+    S.start_by = time.time() + 0.1  # closes while "a" trains
+    with pytest.raises(ClaimsPaused, match=r"4 steps left .*\(b, b-eval, c, \.\.\.\).*run the same command again"):
+        S.run_all()
+    assert ran == ["a", "a-eval"] and json.load(open(S.result_path("a-eval")))["ok"]
+    S = Scheduler(str(tmp_path), jobs=1, say=lambda m: None)
+    add(S)
+    S.run_all()
+    assert ran == ["a", "a-eval", "b", "b-eval", "c", "c-eval"]
+
+
+def test_the_start_window_is_a_flag_that_stops_with_status_3_and_no_report(tmp_path, monkeypatch):
+    from benchmarks.claims import report as claims_report_module
+
+    args, _ = claims.parse_args(["--paper", "msc", "--start-within", "0", "--workdir", str(tmp_path / "w"),
+                                 "--docs-dir", str(tmp_path / "docs"), "--no-store"])
+    assert args.start_within == 0 and "--start-within" not in claims_report_module.command(args, "msc")
+    monkeypatch.setattr(claims.Corpus, "job", lambda self, name="data": Job(name, lambda j, S: {}, {}))
+    assert claims.main(["--paper", "msc", "--start-within", "0", "--workdir", str(tmp_path / "w"),
+                        "--docs-dir", str(tmp_path / "docs"), "--no-store"]) == 3
+    assert not os.path.exists(tmp_path / "docs")
 
 
 def test_provenance_says_what_the_steps_cost():
