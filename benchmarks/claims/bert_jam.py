@@ -26,13 +26,12 @@ Test BLEU is decoded once per model.
 """
 
 import os
-import random
 import shutil
 import sys
 import zipfile
 
 from . import report as R
-from .common import (PRE_NORM, RELEASE_DE_EN, adam_args, curve_cell, eval_job, fixed_budget_args, size_args,
+from .common import (PRE_NORM, SubsetCorpus, adam_args, curve_cell, eval_job, fixed_budget_args, size_args,
                      still_falling, train_job, trained, update_walls)
 from .jobs import ClaimsError, Job, read_json
 from .report import pyplot, save_figure
@@ -106,16 +105,6 @@ def timed(job):
 
     job.run = run
     return job
-
-
-class SubsetCorpus:
-    """What eval_job needs of a corpus: the binarised subset (valid and test are the full ones) and the references."""
-
-    def __init__(self, corpus, bin_dir):
-        self.corpus, self.bin, self.data = corpus, bin_dir, corpus.data
-
-    def refs(self, tgt="en"):
-        return self.corpus.refs(tgt)
 
 
 def write_tiny_e5s1(path, seed=0):
@@ -199,31 +188,7 @@ class BertJam:
                    what="multilingual-e5-small converted and pruned to the German side of the corpus")
 
     def subset_job(self, n):
-        """The first ``n`` verses of one shuffled order (seed 1), binarised with the release's dictionary."""
-        name = f"bj-{n}-data"
-
-        def run(job, S):
-            out = S.dir(f"bj-data-{n}")
-            bin_dir = self.bin(n)
-            text = {}
-            for lang in ("de", "en"):
-                with open(os.path.join(self.corpus.data, f"train.spm.{lang}"), encoding="utf-8") as f:
-                    text[lang] = f.readlines()
-            order = list(range(len(text["de"])))
-            random.Random(1).shuffle(order)
-            keep = sorted(order[:n])
-            for lang in ("de", "en"):
-                with open(os.path.join(out, f"train.spm.{lang}"), "w", encoding="utf-8") as f:
-                    f.writelines(text[lang][i] for i in keep)
-            shutil.rmtree(bin_dir, ignore_errors=True)
-            S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref",
-                                     f"{out}/train.spm", "--validpref", f"{self.corpus.data}/valid.spm",
-                                     "--testpref", f"{self.corpus.data}/test.spm", "--destdir", bin_dir,
-                                     "--joined-dictionary", "--srcdict", os.path.join(RELEASE_DE_EN, "dict.txt"),
-                                     "--workers", "1"], S.log(name))
-            return {"verses": len(keep), "summary": f"{len(keep)} of {len(order)} training verses"}
-
-        return Job(name, run, {"n": n, "seed": 1}, ["data"], what=f"{n} training verses, binarised")
+        return self.corpus.subset_job(n, f"bj-{n}-data", f"bj-data-{n}")
 
     def prepare_job(self, n):
         name = f"bj-{n}-bert-input"
@@ -238,7 +203,7 @@ class BertJam:
         return Job(name, run, {}, [f"bj-{n}-data", "bj-e5"], what=f"e5 input of the {n}-verse set")
 
     def bin(self, n):
-        return os.path.join(self.S.W, f"bin-de-en-{n}")
+        return self.corpus.subset_bin(n)
 
     # -- models --------------------------------------------------------------------------------------------
     def base_argv(self, n, dropout):

@@ -2,6 +2,7 @@
 dictionary, fairseq-train arguments of the quickstart-sized models, training to a valid plateau, evaluation jobs."""
 
 import os
+import random
 import re
 import shutil
 import sys
@@ -213,6 +214,38 @@ class Corpus:
         return Job(name, run, {"corpus": "bible", "spm": "release", "smoke": self.smoke}, what="the Bible corpus "
                    "with the release's BPE and dictionary")
 
+    def subset_bin(self, n):
+        """WORKDIR/bin-de-en-N: :meth:`subset_job`'s ``n`` training verses, binarised."""
+        return os.path.join(self.S.W, f"bin-de-en-{n}")
+
+    def subset_job(self, n, name, text_dir):
+        """The first ``n`` training verses of one shuffled order (seed 1, so that a smaller set lies inside a larger
+        one) as sentencepiece text in WORKDIR/``text_dir``, binarised with the release's dictionary into
+        :meth:`subset_bin` beside the full valid and test sets."""
+
+        def run(job, S):
+            out = S.dir(text_dir)
+            bin_dir = self.subset_bin(n)
+            text = {}
+            for lang in ("de", "en"):
+                with open(os.path.join(self.data, f"train.spm.{lang}"), encoding="utf-8") as f:
+                    text[lang] = f.readlines()
+            order = list(range(len(text["de"])))
+            random.Random(1).shuffle(order)
+            keep = sorted(order[:n])
+            for lang in ("de", "en"):
+                with open(os.path.join(out, f"train.spm.{lang}"), "w", encoding="utf-8") as f:
+                    f.writelines(text[lang][i] for i in keep)
+            shutil.rmtree(bin_dir, ignore_errors=True)
+            S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref",
+                                     f"{out}/train.spm", "--validpref", f"{self.data}/valid.spm",
+                                     "--testpref", f"{self.data}/test.spm", "--destdir", bin_dir,
+                                     "--joined-dictionary", "--srcdict", os.path.join(RELEASE_DE_EN, "dict.txt"),
+                                     "--workers", "1"], S.log(name))
+            return {"verses": len(keep), "summary": f"{len(keep)} of {len(order)} training verses"}
+
+        return Job(name, run, {"n": n, "seed": 1}, ["data"], what=f"{n} training verses, binarised")
+
     def smoke_corpus(self):
         """A slice of the corpus (short verses) for --smoke."""
         import gzip
@@ -230,6 +263,17 @@ class Corpus:
                 with gzip.open(os.path.join(out, f"{split}.{lang}.gz"), "wt", encoding="utf-8") as g:
                     g.writelines(text[lang][i] for i in keep)
         return out
+
+
+class SubsetCorpus:
+    """What eval_job needs of a corpus: a training subset's binarised data (valid and test are the full ones) and
+    the references."""
+
+    def __init__(self, corpus, bin_dir):
+        self.corpus, self.bin, self.data = corpus, bin_dir, corpus.data
+
+    def refs(self, tgt="en"):
+        return self.corpus.refs(tgt)
 
 
 def train_job(name, S, bin_dir, argv, deps, settings, threads=1, what=""):

@@ -11,6 +11,7 @@ from benchmarks.claims import bert_jam as claims_bert_jam
 from benchmarks.claims import convs2s as claims_convs2s
 from benchmarks.claims import msc as claims_msc
 from benchmarks.claims import report as claims_report
+from benchmarks.claims.common import Corpus
 from benchmarks.claims.jobs import ClaimsError, Job, Scheduler
 from tests.benchmarks.claims_fakes import bleu_result
 
@@ -273,8 +274,8 @@ def test_msc_models_train_at_their_own_depths_choice(tmp_path):
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
     S.run_all = lambda names=None: None
     a = argparse.Namespace(dim=128, smoke=False, msc_depths="6,12", msc_updates=12000, msc_pilot_updates=2000,
-                           msc_dropout=0.1, msc_train_sample=1000)
-    ctx = type("Ctx", (), {"S": S, "args": a, "corpus": type("C", (), {"bin": "bin"})()})()
+                           msc_dropout=0.1, msc_train_sample=1000, msc_train_verses=8000)
+    ctx = type("Ctx", (), {"S": S, "args": a, "corpus": Corpus(S)})()
     msc = claims_msc.MSC(ctx)
     chosen = {(v, d): (lr, w) for (v, lr, w) in (("post", 0.0005, 1000), ("pre", 0.0015, 500), ("msc", 0.003, 500))
               for d in (6, 12)}
@@ -291,6 +292,48 @@ def test_msc_models_train_at_their_own_depths_choice(tmp_path):
     assert {arg(f"msc-{v}{d}", "--max-update") for v in claims_msc.VARIANTS for d in (6, 12)} == {"12000"}
     assert outcome["chosen"]["post6"] == {"lr": 0.0005, "warmup": 1000}
     assert outcome["chosen"]["post12"] == {"lr": 0.003, "warmup": 500}
+    # the compared models train (and are scored on training pairs) on the subset; deepest first
+    finals = [n for n in S.jobs if n.startswith("msc-") and n[4:].rstrip("0123456789") in claims_msc.VARIANTS]
+    assert finals == ["msc-msc12", "msc-pre12", "msc-post12", "msc-msc6", "msc-pre6", "msc-post6"]
+    assert {S.jobs[n].settings["bin"] for n in finals} == {"bin-de-en-8000"}
+    assert all(S.jobs[n].deps == ["msc-data-8000"] for n in finals)
+    assert all(S.jobs[f"{n}-train-bleu"].deps == [n, "msc-data-8000"] for n in finals)
+    assert S.jobs["msc-data-8000"].settings == {"n": 8000, "seed": 1}
+
+    a.msc_train_verses = 0  # all verses: the pilots' data
+    S2 = Scheduler(str(tmp_path / "w2"), say=lambda m: None)
+    S2.run_all = lambda names=None: None
+    msc = claims_msc.MSC(type("Ctx", (), {"S": S2, "args": a, "corpus": Corpus(S2)})())
+    msc.pilots = lambda: (chosen, {})
+    msc.run()
+    assert S2.jobs["msc-msc6"].settings["bin"] == "bin-de-en" and S2.jobs["msc-msc6"].deps == ["data"]
+
+
+def test_a_training_subset_is_the_head_of_one_shuffled_order_so_smaller_sets_nest(tmp_path, monkeypatch):
+    """Corpus.subset_job: the first N verses of one seeded order, source and target still aligned, in corpus order,
+    binarised with the full valid and test sets; a smaller N gives a subset of a larger one."""
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    corpus = Corpus(S)
+    os.makedirs(corpus.data)
+    for lang in ("de", "en"):
+        with open(os.path.join(corpus.data, f"train.spm.{lang}"), "w", encoding="utf-8") as f:
+            f.writelines(f"{lang} {i}\n" for i in range(50))
+    calls = []
+    monkeypatch.setattr(S, "fairseq", lambda tool, argv, log, threads=1: calls.append(argv) or 0.0)
+    kept = {}
+    for n in (10, 30):
+        job = corpus.subset_job(n, f"d-{n}", f"text-{n}")
+        assert job.run(job, S)["verses"] == n
+        text = {lang: open(os.path.join(S.W, f"text-{n}", f"train.spm.{lang}"), encoding="utf-8").read().split("\n")
+                for lang in ("de", "en")}
+        ids = [int(line.split()[1]) for line in text["de"] if line]
+        assert ids == sorted(ids) and len(set(ids)) == n
+        assert [line.replace("de", "en", 1) for line in text["de"]] == text["en"]
+        kept[n] = set(ids)
+        argv = calls[-1]
+        assert argv[argv.index("--destdir") + 1] == corpus.subset_bin(n)
+        assert argv[argv.index("--validpref") + 1] == f"{corpus.data}/valid.spm"
+    assert kept[10] < kept[30] and kept[30] != set(range(30))
 
 
 def test_convs2s_pilot_that_diverges_scores_zero_and_other_failures_stop(tmp_path, monkeypatch):
