@@ -210,15 +210,14 @@ def report(ctx, outcome):
 
     def depth_variant(n):
         variant = n[4:].rstrip("0123456789")
-        return int(n[4 + len(variant):]), VARIANTS.index(variant)
+        return int(n[4 + len(variant):]), variant
 
-    names = sorted(outcome["models"], key=depth_variant)
+    names = sorted(outcome["models"], key=lambda n: (depth_variant(n)[0], VARIANTS.index(depth_variant(n)[1])))
     depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
     deg = {(r["variant"], r["depth"]): r for r in (S.result(f"{n}-train-bleu") for n in names)}
     rows, bleu, valid, record_models, curves = [], {}, {}, {}, []
     for n in names:
-        variant = n[4:].rstrip("0123456789")
-        depth = int(n[4 + len(variant):])
+        depth, variant = depth_variant(n)
         tr, ev = trained(S, n), S.result(f"{n}-eval")
         bleu[(variant, depth)] = ev["bleu_test_beam4"]
         valid[(variant, depth)] = ev["bleu_valid_beam4"]
@@ -252,6 +251,10 @@ def report(ctx, outcome):
     verses = (f"the first {n_train:,} training verses of one shuffled order (seed 1): on all 29,080 a budget long "
               f"enough for the curves to flatten does not fit the 12-layer models in one run of a few hours"
               if n_train else "all training verses")
+    msc_hi = trained(S, f"msc-msc{hi}")
+    deepest = msc_hi.get("train_minutes") or msc_hi["minutes"]
+    deeper = (f" A {2 * hi}-layer MSC would train about {2 * deepest / 60:.1f} h on one core at this speed (twice the "
+              f"{hi}-layer model's {deepest:.0f} min), more than one machine session: not run." if hi < 24 else "")
     chosen = "; ".join(f"{k} lr {c['lr']}, warm-up {c['warmup']}" for k, c in outcome["chosen"].items())
     prow = [[n[10:].replace("-lr", ", lr ").replace("-w", ", warm-up "), R.fmt(b)]
             for n, b in sorted(outcome["pilots"].items())]
@@ -285,7 +288,8 @@ each. Each encoder's learning rate and warm-up chosen at each depth by the same 
 the rates it tried,
 one more x2 beyond that edge (at most {EXTEND}; warm-up {PILOTS[-1][1]} above the grid, {PILOTS[0][1]} below):
 {chosen}. Train BLEU: {a.msc_train_sample} training pairs drawn with a
-fixed seed, beam 4 (the paper's Figure 2, `python -m fairseq_ext.msc.degradation --checkpoints`). {prov_line}
+fixed seed, beam 4 (the paper's Figure 2, `python -m fairseq_ext.msc.degradation --checkpoints`).{deeper}
+{prov_line}
 
 {R.table(["encoder", "layers", "valid BLEU (beam 4)", "test BLEU (beam 4)", "train BLEU", "best valid loss",
           "last train loss", "updates", "minutes", "valid loss gain, last 20%"], rows)}

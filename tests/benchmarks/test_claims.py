@@ -57,6 +57,51 @@ def test_msc_verdict_follows_the_issue_targets():
     assert v == "not reproduced" and "msc -1.50" in reason
 
 
+def _msc_report(tmp_path, test, flat=True, flags=()):
+    """The MSC report from fabricated results: (variant, depth) -> test BLEU (valid: test + 5, train: test + 10)."""
+    args, _ = claims.parse_args(["--paper", "msc", "--docs-dir", str(tmp_path / "docs"),
+                                 "--workdir", str(tmp_path / "w"), *flags])
+    S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
+    curve = [(500, 6.0), (4000, 4.6), (6000, 4.52), (8000, 4.50 if flat else 4.3)]
+    names = []
+    for (variant, depth), b in test.items():
+        n = f"msc-{variant}{depth}"
+        names.append(n)
+        S.results[n] = {"updates": 8000, "minutes": 60.0 * depth / 6, "checkpoint": "x", "valid_loss_best": 4.5,
+                        "train_loss_last": 4.4, "valid_curve": curve, "seed": "1"}
+        S.results[f"{n}-eval"] = {k: v for k, v in bleu_result(b).items() if "greedy" not in k} | {
+            "bleu_valid_beam4": b + 5.0}
+        S.results[f"{n}-train-bleu"] = {"variant": variant, "depth": depth, "train_bleu": b + 10.0,
+                                        "valid_bleu": b + 5.0}
+    outcome = {"models": names, "chosen": {f"{v}{d}": {"lr": 0.001, "warmup": 500} for v, d in test},
+               "pilots": {"msc-pilot-msc6-lr0.001-w1000": 5.0}}
+    claims_msc.report(type("Ctx", (), {"S": S, "args": args})(), outcome)
+    docs = tmp_path / "docs"
+    return json.load(open(docs / "claims.json"))["msc"], (docs / "CLAIMS.md").read_text()
+
+
+def test_msc_report_orders_rows_by_depth_names_its_training_set_and_what_did_not_fit(tmp_path):
+    test = {("msc", 12): 24.0, ("pre", 12): 21.0, ("post", 12): 1.0, ("msc", 6): 23.0, ("pre", 6): 22.0,
+            ("post", 6): 21.5}  # in the order the run trains them: deepest first
+    rec, md = _msc_report(tmp_path / "met", test)
+    assert rec["verdict"] == "reproduced" and rec["train_verses"] == 8000
+    rows = [line.split(" | ")[:2] for line in md.splitlines()
+            if line.startswith("| ") and (" | 6 | " in line or " | 12 | " in line)]
+    assert rows == [["| post-norm transformer", "6"], ["| pre-norm transformer", "6"], ["| MSC", "6"],
+                    ["| post-norm transformer", "12"], ["| pre-norm transformer", "12"], ["| MSC", "12"]]
+    assert "on the first 8,000 training verses of one shuffled order" in md
+    assert "A 24-layer MSC would train about 4.0 h on one core" in md  # twice the 12-layer model's 120 min
+    assert "The post-norm control did not train at 12 layers" in rec["reason"]
+    assert "Figure 2 (BLEU on training pairs, 6 -> 12 layers): post 31.50 -> 11.00" in rec["reason"]
+
+    rec, _ = _msc_report(tmp_path / "missed", test | {("msc", 12): 21.5, ("msc", 6): 21.0})  # +0.5 over pre-12
+    assert rec["verdict"] == "partly reproduced" and "Missed: MSC-12 >= pre-norm-12 + 1.0" in rec["reason"]
+    rec, _ = _msc_report(tmp_path / "falling", test, flat=False)
+    assert rec["verdict"] == "not tested" and "still" in rec["reason"].lower()
+    rec, md = _msc_report(tmp_path / "all", test, flags=("--msc-train-verses", "0"))
+    assert rec["train_verses"] is None and "updates (no early stopping) on all training verses" in md
+
+
 def test_msc_names_a_post_norm_control_that_did_not_train():
     valid = {("post", 6): 4.9, ("pre", 6): 10.0, ("msc", 6): 11.0, ("post", 12): 1.7, ("pre", 12): 9.0,
              ("msc", 12): 12.0}
