@@ -201,11 +201,7 @@ class Corpus:
             done = os.path.join(self.bin, ".done")
             if not os.path.exists(done):
                 shutil.rmtree(self.bin, ignore_errors=True)
-                S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref",
-                                         f"{self.data}/train.spm", "--validpref", f"{self.data}/valid.spm",
-                                         "--testpref", f"{self.data}/test.spm", "--destdir", self.bin,
-                                         "--joined-dictionary", "--srcdict", os.path.join(RELEASE_DE_EN, "dict.txt"),
-                                         "--workers", "1"], S.log(name), threads=1)
+                self._binarise(S, f"{self.data}/train.spm", self.bin, S.log(name))
                 open(done, "w").close()
             with open(os.path.join(self.data, "train.de"), encoding="utf-8") as f:
                 n = sum(1 for _ in f)
@@ -213,6 +209,14 @@ class Corpus:
 
         return Job(name, run, {"corpus": "bible", "spm": "release", "smoke": self.smoke}, what="the Bible corpus "
                    "with the release's BPE and dictionary")
+
+    def _binarise(self, S, trainpref, destdir, log):
+        """fairseq-preprocess of ``trainpref`` with the full valid and test sets into ``destdir``, with the release's
+        joined dictionary."""
+        S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref", trainpref,
+                                 "--validpref", f"{self.data}/valid.spm", "--testpref", f"{self.data}/test.spm",
+                                 "--destdir", destdir, "--joined-dictionary", "--srcdict",
+                                 os.path.join(RELEASE_DE_EN, "dict.txt"), "--workers", "1"], log, threads=1)
 
     def subset_bin(self, n):
         """WORKDIR/bin-de-en-N: :meth:`subset_job`'s ``n`` training verses, binarised."""
@@ -237,11 +241,7 @@ class Corpus:
                 with open(os.path.join(out, f"train.spm.{lang}"), "w", encoding="utf-8") as f:
                     f.writelines(text[lang][i] for i in keep)
             shutil.rmtree(bin_dir, ignore_errors=True)
-            S.fairseq("preprocess", ["--source-lang", "de", "--target-lang", "en", "--trainpref",
-                                     f"{out}/train.spm", "--validpref", f"{self.data}/valid.spm",
-                                     "--testpref", f"{self.data}/test.spm", "--destdir", bin_dir,
-                                     "--joined-dictionary", "--srcdict", os.path.join(RELEASE_DE_EN, "dict.txt"),
-                                     "--workers", "1"], S.log(name))
+            self._binarise(S, f"{out}/train.spm", bin_dir, S.log(name))
             return {"verses": len(keep), "summary": f"{len(keep)} of {len(order)} training verses"}
 
         return Job(name, run, {"n": n, "seed": 1}, ["data"], what=f"{n} training verses, binarised")

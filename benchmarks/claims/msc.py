@@ -119,7 +119,8 @@ class MSC:
         name = f"msc-data-{n}"
         if name not in self.S.jobs:
             self.S.add(self.corpus.subset_job(n, name, f"data-{n}"))
-        return name, self.corpus.subset_bin(n), SubsetCorpus(self.corpus, self.corpus.subset_bin(n))
+        bin_dir = self.corpus.subset_bin(n)
+        return name, bin_dir, SubsetCorpus(self.corpus, bin_dir)
 
     def run(self):
         S = self.S
@@ -212,8 +213,12 @@ def report(ctx, outcome):
         variant = n[4:].rstrip("0123456789")
         return int(n[4 + len(variant):]), variant
 
-    names = sorted(outcome["models"], key=lambda n: (depth_variant(n)[0], VARIANTS.index(depth_variant(n)[1])))
-    depths = sorted({int("".join(c for c in n if c.isdigit())) for n in names})
+    def table_order(n):
+        depth, variant = depth_variant(n)
+        return depth, VARIANTS.index(variant)
+
+    names = sorted(outcome["models"], key=table_order)
+    depths = sorted({depth_variant(n)[0] for n in names})
     deg = {(r["variant"], r["depth"]): r for r in (S.result(f"{n}-train-bleu") for n in names)}
     rows, bleu, valid, record_models, curves = [], {}, {}, {}, []
     for n in names:

@@ -89,11 +89,9 @@ def test_no_training_starts_after_the_start_window_and_the_same_run_goes_on(tmp_
 
 
 def test_the_start_window_is_a_flag_that_stops_with_status_3_and_no_report(tmp_path, monkeypatch):
-    from benchmarks.claims import report as claims_report_module
-
     args, _ = claims.parse_args(["--paper", "msc", "--start-within", "0", "--workdir", str(tmp_path / "w"),
                                  "--docs-dir", str(tmp_path / "docs"), "--no-store"])
-    assert args.start_within == 0 and "--start-within" not in claims_report_module.command(args, "msc")
+    assert args.start_within == 0 and "--start-within" not in claims_report.command(args, "msc")
     monkeypatch.setattr(claims.Corpus, "job", lambda self, name="data": Job(name, lambda j, S: {}, {}))
     assert claims.main(["--paper", "msc", "--start-within", "0", "--workdir", str(tmp_path / "w"),
                         "--docs-dir", str(tmp_path / "docs"), "--no-store"]) == 3
