@@ -57,8 +57,10 @@ def test_msc_verdict_follows_the_issue_targets():
     assert v == "not reproduced" and "msc -1.50" in reason
 
 
-def _msc_report(tmp_path, test, flat=True, flags=()):
-    """The MSC report from fabricated results: (variant, depth) -> test BLEU (valid: test + 5, train: test + 10)."""
+def _msc_report(tmp_path, test, flat=True, flags=(), best=None):
+    """The MSC report from fabricated results: (variant, depth) -> test BLEU of the last-3 average (valid: test + 5,
+    train: test + 10); ``best``: (variant, depth) -> test BLEU of the checkpoint of the best valid loss (valid: test +
+    5; default: the average's - 1)."""
     args, _ = claims.parse_args(["--paper", "msc", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w"), *flags])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
@@ -71,6 +73,9 @@ def _msc_report(tmp_path, test, flat=True, flags=()):
                         "train_loss_last": 4.4, "valid_curve": curve, "seed": "1"}
         S.results[f"{n}-eval"] = {k: v for k, v in bleu_result(b).items() if "greedy" not in k} | {
             "bleu_valid_beam4": b + 5.0}
+        bb = (best or {}).get((variant, depth), b - 1.0)
+        S.results[f"{n}-best-eval"] = {k: v for k, v in bleu_result(bb).items() if "greedy" not in k} | {
+            "bleu_valid_beam4": bb + 5.0}
         S.results[f"{n}-train-bleu"] = {"variant": variant, "depth": depth, "train_bleu": b + 10.0,
                                         "valid_bleu": b + 5.0}
     outcome = {"models": names, "chosen": {f"{v}{d}": {"lr": 0.001, "warmup": 500} for v, d in test},
@@ -94,12 +99,21 @@ def test_msc_report_orders_rows_by_depth_names_its_training_set_and_what_did_not
     assert "The post-norm control did not train at 12 layers" in rec["reason"]
     assert "Figure 2 (BLEU on training pairs, 6 -> 12 layers): post 31.50 -> 11.00" in rec["reason"]
 
+    assert rec["models"]["msc12"]["checkpoint"] == "last 3 averaged"
+    assert rec["models"]["msc12"]["valid_beam4_by_checkpoint"] == {"last3_average": 29.0, "best_valid_loss": 28.0}
+
     rec, _ = _msc_report(tmp_path / "missed", test | {("msc", 12): 21.5, ("msc", 6): 21.0})  # +0.5 over pre-12
     assert rec["verdict"] == "partly reproduced" and "Missed: MSC-12 >= pre-norm-12 + 1.0" in rec["reason"]
+    # the checkpoint of the best valid loss wins on valid: its test BLEU is the model's, and meets the target
+    rec, md = _msc_report(tmp_path / "best", test | {("msc", 12): 21.5, ("msc", 6): 21.0}, best={("msc", 12): 22.5})
+    assert rec["verdict"] == "reproduced" and rec["models"]["msc12"]["test_beam4"] == 22.5
+    assert rec["models"]["msc12"]["checkpoint"] == "best valid loss (8000)"
+    assert "| MSC | 12 | best valid loss (8000) | 27.50 | 22.50 |" in md
+    assert rec["models"]["msc6"]["checkpoint"] == "last 3 averaged"
     rec, _ = _msc_report(tmp_path / "falling", test, flat=False)
     assert rec["verdict"] == "not tested" and "still" in rec["reason"].lower()
     rec, md = _msc_report(tmp_path / "all", test, flags=("--msc-train-verses", "0"))
-    assert rec["train_verses"] is None and "updates (no early stopping) on all training verses" in md
+    assert rec["train_verses"] is None and "updates (no early stopping), one thread each, on all training verses" in md
 
 
 def test_msc_names_a_post_norm_control_that_did_not_train():
@@ -343,6 +357,7 @@ def test_msc_models_train_at_their_own_depths_choice(tmp_path):
     assert {S.jobs[n].settings["bin"] for n in finals} == {"bin-de-en-8000"}
     assert all(S.jobs[n].deps == ["msc-data-8000"] for n in finals)
     assert all(S.jobs[f"{n}-train-bleu"].deps == [n, "msc-data-8000"] for n in finals)
+    assert all(S.jobs[f"{n}-best-eval"].deps == [n] for n in finals)  # the other candidate checkpoint, on valid
     assert S.jobs["msc-data-8000"].settings == {"n": 8000, "seed": 1}
 
     a.msc_train_verses = 0  # all verses: the pilots' data
