@@ -33,7 +33,8 @@ One table of verdict words for all four papers:
 | not tested | the experiment could not be run as designed (an arm still learning when its budget ended, or a part not \
 run): the section says what would test it |
 
-An arm is still learning when the last 20% of its updates gained 1% valid loss or more.
+An arm is still learning when the last 20% of its updates gained 1% valid loss or more. A control that no target
+reads (MSC's post-norm transformer) is named when it is still learning, without changing the verdict.
 """
 VERDICTS = ("reproduced", "partly reproduced", "not reproduced", "not tested")
 

@@ -57,20 +57,22 @@ def test_msc_verdict_follows_the_issue_targets():
     assert v == "not reproduced" and "msc -1.50" in reason
 
 
-def _msc_report(tmp_path, test, flat=True, flags=(), best=None):
+def _msc_report(tmp_path, test, flat=True, flags=(), best=None, falling=()):
     """The MSC report from fabricated results: (variant, depth) -> test BLEU of the last-3 average (valid: test + 5,
     train: test + 10); ``best``: (variant, depth) -> test BLEU of the checkpoint of the best valid loss (valid: test +
-    5; default: the average's - 1)."""
+    5; default: the average's - 1); ``falling``: the (variant, depth) whose curve still falls (all: not ``flat``)."""
     args, _ = claims.parse_args(["--paper", "msc", "--docs-dir", str(tmp_path / "docs"),
                                  "--workdir", str(tmp_path / "w"), *flags])
     S = Scheduler(str(tmp_path / "w"), say=lambda m: None)
-    curve = [(500, 6.0), (4000, 4.6), (6000, 4.52), (8000, 4.50 if flat else 4.3)]
+    curve = [(500, 6.0), (4000, 4.6), (6000, 4.52), (8000, 4.50)]
     names = []
     for (variant, depth), b in test.items():
         n = f"msc-{variant}{depth}"
         names.append(n)
+        down = not flat or (variant, depth) in falling
         S.results[n] = {"updates": 8000, "minutes": 60.0 * depth / 6, "checkpoint": "x", "valid_loss_best": 4.5,
-                        "train_loss_last": 4.4, "valid_curve": curve, "seed": "1"}
+                        "train_loss_last": 4.4, "valid_curve": curve[:-1] + [(8000, 4.3 if down else 4.5)],
+                        "seed": "1"}
         S.results[f"{n}-eval"] = {k: v for k, v in bleu_result(b).items() if "greedy" not in k} | {
             "bleu_valid_beam4": b + 5.0}
         bb = (best or {}).get((variant, depth), b - 1.0)
@@ -112,6 +114,11 @@ def test_msc_report_orders_rows_by_depth_names_its_training_set_and_what_did_not
     assert rec["models"]["msc6"]["checkpoint"] == "last 3 averaged"
     rec, _ = _msc_report(tmp_path / "falling", test, flat=False)
     assert rec["verdict"] == "not tested" and "still" in rec["reason"].lower()
+    rec, _ = _msc_report(tmp_path / "msc6-falling", test, falling={("msc", 6)})  # an arm a target compares
+    assert rec["verdict"] == "not tested" and "(>= 1% valid loss): msc6." in rec["reason"]
+    rec, _ = _msc_report(tmp_path / "control-falling", test, falling={("post", 6), ("pre", 6)})  # no target reads
+    assert rec["verdict"] == "reproduced"
+    assert "(>= 1% valid loss): post6, pre6; no target reads them." in rec["reason"]
     rec, md = _msc_report(tmp_path / "all", test, flags=("--msc-train-verses", "0"))
     assert rec["train_verses"] is None and "updates (no early stopping), one thread each, on all training verses" in md
 
