@@ -11,8 +11,8 @@ re-runs what changed; each result is also kept in benchmarks/claims/store/PAPER 
 checkpoints a later step reads (``Job.keep``), which a run long enough to need several machine sessions commits
 between them; ``--start-within MINUTES`` starts no training after a run's first MINUTES, so that a session ends
 with every training it started finished, evaluated and stored. ``--jobs 2`` trains two models side by side, one
-thread each (the default on a 2-core machine); timings run alone. Hyper-parameters are chosen on the valid set; the
-test set is decoded once per model, after training.
+thread each (the default on a 2-core machine); timings run alone. Hyper-parameters and checkpoints are chosen on the
+valid set; the test set is decoded after training and chooses nothing.
 
 Writes docs/CLAIMS.md (per paper: the claim, the paper's number, ours, the control, the figure, the command,
 sacreBLEU signatures, update counts and minutes) and docs/claims.json (``PAPER.verdict``: one of

@@ -91,11 +91,11 @@ def curve_cell(result):
     return "-" if gain is None else f"{100 * gain:.1f}%" + ("" if flat else " (still falling)")
 
 
-def still_falling(named, sep=", "):
+def still_falling(named, sep=", ", end="."):
     """The sentence naming the trainings of ``named`` ([(label, result)]) whose valid loss still fell by 1% or more
-    over the last 20% of their updates; "" when none did."""
+    over the last 20% of their updates, closed by ``end``; "" when none did."""
     labels = [label for label, result in named if not flattened(result.get("valid_curve", []))[1]]
-    return ("Still falling in the last 20% of their updates (>= 1% valid loss): " + sep.join(labels) + "."
+    return ("Still falling in the last 20% of their updates (>= 1% valid loss): " + sep.join(labels) + end
             if labels else "")
 
 

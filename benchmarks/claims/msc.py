@@ -271,9 +271,9 @@ def report(ctx, outcome):
     falling = still_falling([c for c in curves if c[0] in compared])
     if falling:
         reason += " " + falling
-    others = still_falling([c for c in curves if c[0] not in compared])
-    if others:
-        reason += f" {others[:-1]}; no target reads {'it' if others.count(',') == 0 else 'them'}."
+    controls = [c for c in curves if c[0] not in compared and not flattened(c[1].get("valid_curve", []))[1]]
+    if controls:
+        reason += " " + still_falling(controls, end=f"; no target reads {'it' if len(controls) == 1 else 'them'}.")
     v, reason = R.past_early_regime(v, reason, falling, "--msc-updates")
     train = {k: r.get("train_bleu") for k, r in deg.items()}
     if all(train.get((var, d)) is not None for var in VARIANTS for d in (lo, hi)):
@@ -319,12 +319,12 @@ pre-norm one (`--encoder-normalize-before --decoder-normalize-before`) and `msc_
 (0.9, 0.98), inverse_sqrt, dropout {a.msc_dropout}, label smoothing 0.1, 1,024 tokens a batch, {a.msc_updates}
 updates (no early stopping), one thread each, on {verses}. Each model is the one of two checkpoints with the higher
 valid BLEU (beam 4): its last 3 interval checkpoints (every 500 updates) averaged, or its checkpoint of the best
-valid loss (the table says which); its test BLEU is that checkpoint's. Each encoder's learning rate and warm-up
-chosen at each depth by the same {len(PILOTS)} pilots of {a.msc_pilot_updates} updates on all training verses, on
-valid greedy BLEU, then, while a best pilot is at an edge of the rates it tried, one more x2 beyond that edge (at
-most {EXTEND}; warm-up {PILOTS[-1][1]} above the grid, {PILOTS[0][1]} below): {chosen}. Train BLEU:
-{a.msc_train_sample} training pairs drawn with a fixed seed, beam 4, of the end of training (the average: how well
-the model fits its training data; the paper's Figure 2,
+valid loss (the table says which); its test BLEU is that checkpoint's (both are decoded on test, only valid
+chooses). Each encoder's learning rate and warm-up chosen at each depth by the same {len(PILOTS)} pilots of
+{a.msc_pilot_updates} updates on all training verses, on valid greedy BLEU, then, while a best pilot is at an edge
+of the rates it tried, one more x2 beyond that edge (at most {EXTEND}; warm-up {PILOTS[-1][1]} above the grid,
+{PILOTS[0][1]} below): {chosen}. Train BLEU: {a.msc_train_sample} training pairs drawn with a fixed seed,
+beam 4, of the end of training (the average: how well the model fits its training data; the paper's Figure 2,
 `python -m fairseq_ext.msc.degradation --checkpoints`).{deeper}
 {prov_line}
 

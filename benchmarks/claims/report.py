@@ -13,10 +13,10 @@ HEADER = """# The papers' claims, tested with their controls
 Each section is written by `python -m benchmarks.claims --paper PAPER` (the command is in the section) on the
 bundled Bible corpus (German -> English, 29,080 training verses, the release's sentencepiece model and dictionary),
 on 2 CPU cores: the experiment each paper's claim needs, with the control of equal depth, updates and data, at the
-size that fits (the sizes are flags of the same command, for a larger machine). Hyper-parameters are chosen on the
-valid set; the test set is decoded once per model after training. Every BLEU is sacreBLEU on detokenised text
-(signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict. A run longer than
-a machine session goes on in the next one from the finished steps' results, committed in
+size that fits (the sizes are flags of the same command, for a larger machine). Hyper-parameters and checkpoints are
+chosen on the valid set; the test set is decoded after training and chooses nothing. Every BLEU is sacreBLEU on
+detokenised text (signature in each section). `docs/claims.json` holds the same numbers and each paper's verdict.
+A run longer than a machine session goes on in the next one from the finished steps' results, committed in
 `benchmarks/claims/store/PAPER` (the same command skips them), with the checkpoints that a later step reads
 (the SAT teacher and distilled students, for the timing and the release; without optimizer state); a larger budget
 (`--msc-updates`, ...) continues each finished training from its checkpoints in the work directory.
